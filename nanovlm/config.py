@@ -1,0 +1,333 @@
+"""Configuration schema and loader.
+
+The nested dataclasses below *are* the schema: every key a YAML file or a CLI override may set is a field
+here, with its type and default. ``load_config`` merges, in order of increasing precedence,
+
+    schema defaults  ->  YAML file(s) (left to right)  ->  ``key=value`` overrides (OmegaConf dot-list)
+
+in OmegaConf struct mode, so a misspelled key or a value of the wrong type fails immediately, with a
+message that names the key (and the closest valid key), before any model or data is touched.
+
+Sections follow Megatron's grouping: ``model``, ``data``, ``optim``, ``trainer``, ``checkpoint``.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+from dataclasses import dataclass, field, fields, is_dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
+
+# ----------------------------------------------------------------------------------------------------------
+# model
+
+
+@dataclass
+class VisionConfig:
+    """SigLIP-style ViT encoder (conv patch embedding, learned positions, no CLS token)."""
+
+    image_size: int = 224  # input resolution (square); images are resized to this on the data side
+    patch_size: int = 16  # conv patch size; the encoder sees (image_size / patch_size)^2 patches
+    hidden_size: int = 768  # width of the encoder
+    num_layers: int = 12  # transformer blocks
+    num_heads: int = 12  # attention heads (head dim = hidden_size / num_heads)
+    intermediate_size: int = 3072  # MLP width (GELU-tanh)
+    layer_norm_eps: float = 1e-6  # LayerNorm epsilon, as in SigLIP
+    image_mean: list[float] = field(default_factory=lambda: [0.5, 0.5, 0.5])  # per-channel mean, 0..1 scale
+    image_std: list[float] = field(default_factory=lambda: [0.5, 0.5, 0.5])  # per-channel std, 0..1 scale
+
+
+@dataclass
+class ProjectorConfig:
+    """Pixel shuffle (space-to-depth on the patch grid) followed by one linear map to the decoder width."""
+
+    pixel_shuffle_factor: int = 2  # 2 turns a 14x14 patch grid into 7x7 image tokens; must divide the grid side
+
+
+@dataclass
+class LanguageConfig:
+    """Llama / SmolLM2-style decoder: RMSNorm, RoPE, grouped-query attention, SwiGLU."""
+
+    vocab_size: int = 0  # 0 = take it from the tokenizer (rounded up to a multiple of 64)
+    hidden_size: int = 576  # decoder width
+    num_layers: int = 30  # decoder blocks
+    num_heads: int = 9  # query heads
+    num_kv_heads: int = 3  # key/value heads (GQA); must divide num_heads
+    intermediate_size: int = 1536  # SwiGLU width
+    rope_theta: float = 100000.0  # RoPE base
+    rms_norm_eps: float = 1e-5  # RMSNorm epsilon
+    max_position_embeddings: int = 8192  # longest position a sample may reach (positions restart per sample)
+    tie_embeddings: bool = True  # share input embedding and LM head weights
+
+
+@dataclass
+class ModelConfig:
+    vision: VisionConfig = field(default_factory=VisionConfig)
+    projector: ProjectorConfig = field(default_factory=ProjectorConfig)
+    language: LanguageConfig = field(default_factory=LanguageConfig)
+    attn_backend: str = "auto"  # auto | flash_attn | torch_varlen | sdpa
+    init_std: float = 0.02  # std of the normal init for linear and embedding weights (random init only)
+    vision_checkpoint: str | None = None  # transformers SigLIP checkpoint (hub id or dir) to load; None = random
+    language_checkpoint: str | None = None  # transformers Llama/SmolLM2 checkpoint to load; None = random
+
+
+# ----------------------------------------------------------------------------------------------------------
+# data
+
+
+@dataclass
+class DataConfig:
+    train: list[str] = field(default_factory=lambda: ["data/demo/train"])  # dataset directories (shards + index)
+    train_weights: list[float] = field(default_factory=list)  # per-directory repeat factor per epoch; [] = all 1.0
+    val: list[str] = field(default_factory=lambda: ["data/demo/val"])  # validation directories; [] = no validation
+    tokenizer: str = "data/demo/tokenizer"  # local tokenizer dir or hub id (hub ids need network)
+    make_demo_if_missing: bool = True  # build the procedural demo dataset + tokenizer when the paths above are absent
+    max_tokens: int = 4096  # token budget per pack (text + image tokens): the T of every [1, T] batch
+    max_images: int = 16  # image budget per pack (bounds vision-encoder cost per step)
+    overlength: str = "drop"  # what to do with a sample longer than max_tokens: drop | truncate (counted)
+    packing: str = "packed"  # packed | pad_to_longest | constrained (the last two are baselines)
+    batch_size: int = 8  # samples per batch for the padded baselines (packed mode always yields one pack)
+    pad_cutoff: int = 0  # constrained padding: samples above this are truncated/dropped; 0 = max_tokens
+    lookahead: int = 64  # packer lookahead buffer (samples) for online best-fit
+    max_carry: int = 8  # a sample left over this many packs is forced into the next pack (bounded wait)
+    shuffle_buffer: int = 256  # bounded sample shuffle window within the epoch order
+    num_workers: int = 2  # DataLoader workers per rank (0 = in the main process)
+    queue_size: int = 4  # finished packs buffered by each producer (memory = queue_size x pack size)
+    pin_memory: bool = True  # pin batches when training on a GPU
+    image_resize: str = "squash"  # squash | letterbox: how images reach vision.image_size
+    max_image_pixels: int = 64_000_000  # larger images are skipped (decompression-bomb guard)
+    max_skip_rate: float = 0.1  # fail when more than this fraction of an epoch's samples is skipped
+    seed: int = 1234  # data order seed (epoch order is derived from seed and epoch)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# optim
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 3e-4  # peak learning rate of the language model (and the default for the other groups)
+    vision_lr: float = 0.0  # peak lr for the vision encoder; 0 = use lr
+    projector_lr: float = 0.0  # peak lr for the projector; 0 = use lr
+    freeze_vision: bool = False  # no gradients for the vision encoder
+    freeze_projector: bool = False  # no gradients for the projector
+    freeze_language: bool = False  # no gradients for the language model
+    weight_decay: float = 0.1  # AdamW decoupled weight decay (not applied to norms, biases, embeddings)
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])  # AdamW betas
+    eps: float = 1e-8  # AdamW epsilon
+    schedule: str = "cosine"  # cosine | linear | constant (all with linear warmup)
+    warmup_steps: int = 100  # linear warmup from 0 to the peak lr
+    min_lr_ratio: float = 0.1  # final lr as a fraction of the peak lr (cosine / linear)
+    grad_clip: float = 1.0  # max global gradient norm; 0 = no clipping
+
+
+# ----------------------------------------------------------------------------------------------------------
+# trainer
+
+
+@dataclass
+class TrainerConfig:
+    run_dir: str = "runs/default"  # everything a run writes: resolved config, logs, checkpoints
+    accelerator: str = "auto"  # auto | cpu | gpu
+    devices: Any = "auto"  # int (processes per node) or "auto"
+    num_nodes: int = 1  # nodes in a multi-node run (torchrun --nnodes / SLURM)
+    strategy: str = "auto"  # auto | ddp | fsdp (FSDP2 via fully_shard per block)
+    precision: str = "auto"  # auto (bf16-mixed on GPU, 32-true on CPU) | bf16-mixed | 32-true | ...
+    max_steps: int = 1000  # optimizer steps to train
+    accumulate_grad_batches: int = 1  # packs per optimizer step
+    val_every_n_steps: int = 0  # run validation every N optimizer steps; 0 = only at the end
+    val_batches: int = 8  # packs per validation run
+    log_every_n_steps: int = 10  # telemetry interval
+    logger: str = "csv"  # csv | tensorboard | none
+    progress_bar: bool = True  # show the progress bar with loss, tokens/s and fill
+    activation_checkpointing: bool = False  # recompute block activations in backward (saves memory)
+    compile: bool = False  # torch.compile the transformer blocks
+    peak_tflops: float = 0.0  # per-device peak for MFU; 0 = guess from the GPU name (CPU: MFU not reported)
+    seed: int = 1234  # model init and dropout seed
+    eval_at_end: bool = True  # after training: held-out accuracy and a few generated answers
+    eval_samples: int = 64  # held-out samples for the end-of-run evaluation
+
+
+# ----------------------------------------------------------------------------------------------------------
+# checkpoint
+
+
+@dataclass
+class CheckpointConfig:
+    dir: str = ""  # where checkpoints go; "" = <run_dir>/checkpoints
+    every_n_steps: int = 500  # periodic checkpoint interval in optimizer steps; 0 = only the final one
+    keep_last: int = 3  # periodic checkpoints to keep (the newest ones)
+    resume: str = "auto"  # auto (latest in dir, if any) | none | path to a checkpoint file
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# loading
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+
+
+class ConfigError(ValueError):
+    """A config file or override does not fit the schema. The message names the key and what is wrong."""
+
+
+def _schema_keys(cls: type, prefix: str = "") -> list[str]:
+    """All dotted keys of the schema, e.g. ['model.vision.image_size', ...] (sections included)."""
+    keys: list[str] = []
+    for f in fields(cls):
+        path = f"{prefix}{f.name}"
+        keys.append(path)
+        default = f.default_factory() if callable(f.default_factory) else f.default  # type: ignore[misc]
+        if is_dataclass(default):
+            keys.extend(_schema_keys(type(default), path + "."))
+    return keys
+
+
+def _suggest(key: str) -> str:
+    """Closest valid key to a misspelled dotted ``key``: same section first, then anywhere."""
+    valid = _schema_keys(Config)
+    parent = key.rsplit(".", 1)[0] if "." in key else ""
+    siblings = [k for k in valid if (k.rsplit(".", 1)[0] if "." in k else "") == parent]
+    for pool in (siblings, valid):
+        names = [k.rsplit(".", 1)[-1] for k in pool] if pool is siblings else pool
+        target = key.rsplit(".", 1)[-1] if pool is siblings else key
+        match = difflib.get_close_matches(target, names, n=1, cutoff=0.5)
+        if match:
+            return f"{parent}.{match[0]}" if pool is siblings and parent else match[0]
+    return ""
+
+
+def _explain(err: OmegaConfBaseException, source: str) -> ConfigError:
+    key = getattr(err, "full_key", None) or ""
+    if isinstance(err, (ConfigKeyError, ConfigAttributeError)):
+        hint = _suggest(key)
+        msg = f"unknown config key '{key}' in {source}"
+        if hint:
+            msg += f"; did you mean '{hint}'?"
+        return ConfigError(msg)
+    if isinstance(err, ValidationError):
+        expected = getattr(err, "ref_type", None)
+        msg = str(err).splitlines()[0]
+        return ConfigError(f"bad value for config key '{key}' in {source}: {msg} (expected type: {_type_name(key)})")
+    return ConfigError(f"config error in {source}: {err}")
+
+
+def _type_name(key: str) -> str:
+    node: Any = Config
+    for part in key.split("."):
+        match = [f for f in fields(node) if f.name == part] if is_dataclass(node) else []
+        if not match:
+            return "?"
+        f = match[0]
+        node = f.default_factory() if callable(f.default_factory) else f.default  # type: ignore[misc]
+        node = type(node) if is_dataclass(node) else f.type
+    return node if isinstance(node, str) else getattr(node, "__name__", str(node))
+
+
+def _check_values(cfg: Config) -> None:
+    """Semantic checks that types alone cannot express (choices, divisibility)."""
+    choices = {
+        "model.attn_backend": (cfg.model.attn_backend, {"auto", "flash_attn", "torch_varlen", "sdpa"}),
+        "data.overlength": (cfg.data.overlength, {"drop", "truncate"}),
+        "data.packing": (cfg.data.packing, {"packed", "pad_to_longest", "constrained"}),
+        "data.image_resize": (cfg.data.image_resize, {"squash", "letterbox"}),
+        "optim.schedule": (cfg.optim.schedule, {"cosine", "linear", "constant"}),
+        "trainer.strategy": (cfg.trainer.strategy, {"auto", "ddp", "fsdp", "single"}),
+        "trainer.logger": (cfg.trainer.logger, {"csv", "tensorboard", "none"}),
+    }
+    for key, (value, allowed) in choices.items():
+        if value not in allowed:
+            raise ConfigError(f"bad value for config key '{key}': {value!r}; choose one of {sorted(allowed)}")
+    v, lm = cfg.model.vision, cfg.model.language
+    if v.image_size % v.patch_size:
+        raise ConfigError("model.vision.image_size must be a multiple of model.vision.patch_size")
+    grid = v.image_size // v.patch_size
+    if grid % cfg.model.projector.pixel_shuffle_factor:
+        raise ConfigError(
+            f"model.projector.pixel_shuffle_factor={cfg.model.projector.pixel_shuffle_factor} must divide the "
+            f"patch grid side {grid} (image_size / patch_size)"
+        )
+    if v.hidden_size % v.num_heads or lm.hidden_size % lm.num_heads or lm.num_heads % lm.num_kv_heads:
+        raise ConfigError("hidden sizes must divide by head counts, and language.num_heads by num_kv_heads")
+    if cfg.data.max_tokens <= 0 or cfg.data.max_images <= 0:
+        raise ConfigError("data.max_tokens and data.max_images must be positive")
+    if cfg.data.train_weights and len(cfg.data.train_weights) != len(cfg.data.train):
+        raise ConfigError("data.train_weights must have one weight per data.train directory (or be empty)")
+    if cfg.checkpoint.resume not in {"auto", "none"} and not cfg.checkpoint.resume:
+        raise ConfigError("checkpoint.resume must be 'auto', 'none' or a checkpoint path")
+
+
+def image_token_count(cfg: ModelConfig) -> int:
+    """Decoder tokens per image: (grid / shuffle factor)^2."""
+    grid = cfg.vision.image_size // cfg.vision.patch_size
+    return (grid // cfg.projector.pixel_shuffle_factor) ** 2
+
+
+def resolve_path(path: str | os.PathLike) -> Path:
+    """A config file given as a bare name ('ddp.yaml') is looked up in configs/ when not found as given."""
+    p = Path(path)
+    if not p.exists() and (CONFIG_DIR / p).exists():
+        return CONFIG_DIR / p
+    return p
+
+
+def load_config(files: Sequence[str | os.PathLike] = (), overrides: Sequence[str] = ()) -> Config:
+    """Schema defaults <- YAML files (in order) <- ``key=value`` overrides; strict keys and types.
+
+    Raises ConfigError naming the offending key (with the closest valid key for a typo) or file.
+    """
+    merged: DictConfig = OmegaConf.structured(Config)
+    OmegaConf.set_struct(merged, True)
+    for f in files:
+        path = resolve_path(f)
+        if not path.is_file():
+            raise ConfigError(f"config file not found: {f}")
+        try:
+            loaded = OmegaConf.load(path)
+        except Exception as e:  # yaml syntax errors
+            raise ConfigError(f"cannot parse config file {path}: {e}") from e
+        if loaded is None or not isinstance(loaded, DictConfig):
+            if loaded is None or len(loaded) == 0:
+                continue
+            raise ConfigError(f"config file {path} must hold a mapping of sections")
+        try:
+            merged = OmegaConf.merge(merged, loaded)
+        except OmegaConfBaseException as e:
+            raise _explain(e, str(path)) from None
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override '{item}' must look like key=value (e.g. trainer.max_steps=10)")
+        try:
+            merged = OmegaConf.merge(merged, OmegaConf.from_dotlist([item]))
+        except OmegaConfBaseException as e:
+            raise _explain(e, f"override '{item}'") from None
+    cfg: Config = OmegaConf.to_object(merged)  # type: ignore[assignment]
+    _check_values(cfg)
+    return cfg
+
+
+def to_yaml(cfg: Config) -> str:
+    """The resolved config as YAML (what a run directory stores as config.yaml)."""
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def save_config(cfg: Config, run_dir: str | os.PathLike) -> Path:
+    """Write the resolved config to <run_dir>/config.yaml and return its path."""
+    path = Path(run_dir) / "config.yaml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".yaml.tmp")
+    tmp.write_text(to_yaml(cfg))
+    os.replace(tmp, path)
+    return path
