@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import difflib
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
@@ -218,7 +219,6 @@ def _explain(err: OmegaConfBaseException, source: str) -> ConfigError:
             msg += f"; did you mean '{hint}'?"
         return ConfigError(msg)
     if isinstance(err, ValidationError):
-        expected = getattr(err, "ref_type", None)
         msg = str(err).splitlines()[0]
         return ConfigError(f"bad value for config key '{key}' in {source}: {msg} (expected type: {_type_name(key)})")
     return ConfigError(f"config error in {source}: {err}")

@@ -1,0 +1,117 @@
+"""The config schema, YAML files and overrides: precedence, strict keys, typed values, clear messages."""
+
+from pathlib import Path
+
+import pytest
+
+from nanovlm.config import (
+    CONFIG_DIR,
+    Config,
+    ConfigError,
+    image_token_count,
+    load_config,
+    save_config,
+)
+
+YAMLS = sorted(p.name for p in CONFIG_DIR.glob("*.yaml"))
+
+
+def test_configs_dir_has_the_documented_files():
+    for name in ["tiny_cpu.yaml", "base.yaml", "ddp.yaml", "fsdp.yaml", "model_222m.yaml", "model_460m.yaml"]:
+        assert name in YAMLS
+
+
+@pytest.mark.parametrize("name", YAMLS)
+def test_every_yaml_loads_against_the_schema(name):
+    cfg = load_config([CONFIG_DIR / name])
+    assert isinstance(cfg, Config)
+
+
+def test_yaml_files_are_sparse():
+    """A YAML file holds only what it changes: no key may repeat the schema default.
+
+    Model size presets are exempt: they state a whole shape so they can be layered over any other file.
+    """
+    defaults = load_config()
+    from omegaconf import OmegaConf
+
+    default_tree = OmegaConf.structured(defaults)
+    for name in [n for n in YAMLS if not n.startswith("model_")]:
+        loaded = OmegaConf.load(CONFIG_DIR / name)
+        for key in _leaf_keys(OmegaConf.to_container(loaded)):
+            value = OmegaConf.select(loaded, key)
+            assert value != OmegaConf.select(default_tree, key), f"{name}: {key} repeats the default"
+
+
+def _leaf_keys(tree, prefix=""):
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            yield from _leaf_keys(v, f"{prefix}{k}.")
+        else:
+            yield f"{prefix}{k}"
+
+
+def test_precedence_defaults_then_files_then_overrides(tmp_path: Path):
+    a = tmp_path / "a.yaml"
+    b = tmp_path / "b.yaml"
+    a.write_text("trainer:\n  max_steps: 11\n  log_every_n_steps: 3\noptim:\n  lr: 0.5\n")
+    b.write_text("trainer:\n  max_steps: 22\n")
+    cfg = load_config([a, b], ["optim.lr=0.25"])
+    assert cfg.trainer.max_steps == 22  # later file wins over earlier file
+    assert cfg.trainer.log_every_n_steps == 3  # earlier file wins over default
+    assert cfg.optim.lr == 0.25  # override wins over files
+    assert cfg.optim.weight_decay == Config().optim.weight_decay  # untouched default
+
+
+def test_bare_config_name_is_looked_up_in_configs_dir():
+    cfg = load_config(["model_460m.yaml"])
+    assert cfg.model.language.hidden_size == 960
+    assert image_token_count(cfg.model) == 64
+
+
+def test_misspelled_override_names_key_and_suggestion():
+    with pytest.raises(ConfigError) as e:
+        load_config([], ["trainer.max_stepz=1"])
+    assert "max_stepz" in str(e.value) and "trainer.max_steps" in str(e.value)
+
+
+def test_misspelled_nested_key_in_yaml_names_file_key_and_suggestion(tmp_path: Path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model:\n  vision:\n    hiden_size: 64\n")
+    with pytest.raises(ConfigError) as e:
+        load_config([bad])
+    msg = str(e.value)
+    assert "model.vision.hiden_size" in msg and "model.vision.hidden_size" in msg and "bad.yaml" in msg
+
+
+def test_misspelled_section_suggests_section():
+    with pytest.raises(ConfigError, match="did you mean 'optim'"):
+        load_config([], ["optimm.lr=1"])
+
+
+@pytest.mark.parametrize(
+    "override, key, expected",
+    [("trainer.max_steps=abc", "trainer.max_steps", "int"), ("data.max_tokens=1.5", "data.max_tokens", "int")],
+)
+def test_wrong_type_names_key_and_expected_type(override, key, expected):
+    with pytest.raises(ConfigError) as e:
+        load_config([], [override])
+    assert key in str(e.value) and f"expected type: {expected}" in str(e.value)
+
+
+def test_bad_choice_and_shapes_are_rejected():
+    with pytest.raises(ConfigError, match="model.attn_backend"):
+        load_config([], ["model.attn_backend=magic"])
+    with pytest.raises(ConfigError, match="pixel_shuffle_factor"):
+        load_config([], ["model.projector.pixel_shuffle_factor=5"])
+    with pytest.raises(ConfigError, match="key=value"):
+        load_config([], ["trainer.max_steps"])
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(["no_such_file.yaml"])
+
+
+def test_resolved_config_round_trips_through_run_dir(tmp_path: Path):
+    cfg = load_config(["tiny_cpu.yaml"], ["trainer.max_steps=7"])
+    path = save_config(cfg, tmp_path / "run")
+    again = load_config([path])
+    assert again == cfg
