@@ -1,0 +1,202 @@
+"""Checkpoint files: atomic writes, safe loads, periodic saving with keep-last-N, resume, preemption.
+
+A checkpoint is Lightning's checkpoint dict (model, optimizer, loop progress incl. the step, callbacks), plus
+the DataModule state of every rank (saved by Lightning from ``datamodule.state_dict()``) and the RNG states
+of every rank (``VLMModule.on_save_checkpoint``). The learning rate is a pure function of the step, so no
+scheduler state is needed. Files are named ``step-00000200.ckpt`` in ``checkpoint.dir``.
+
+Atomicity: the file is written to ``<name>.tmp`` in the same directory, fsynced, then ``os.replace``d over the
+final name and the directory fsynced, so a crash (or ``kill -9``) mid-save leaves the previous checkpoints
+intact and never a truncated ``.ckpt``. Loading uses ``torch.load(weights_only=True)``: a checkpoint can
+never execute code.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import re
+import signal
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins import CheckpointIO
+
+from nanovlm.config import Config
+
+log = logging.getLogger(__name__)
+
+CKPT_RE = re.compile(r"^step-(\d+)\.ckpt$")
+
+
+def checkpoint_dir(cfg: Config) -> Path:
+    return Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else Path(cfg.trainer.run_dir) / "checkpoints"
+
+
+def checkpoint_name(step: int) -> str:
+    return f"step-{step:08d}.ckpt"
+
+
+def list_checkpoints(directory: str | os.PathLike) -> list[tuple[int, Path]]:
+    """(step, path) of the complete checkpoints in ``directory``, oldest first (temp files are ignored)."""
+    d = Path(directory)
+    if not d.is_dir():
+        return []
+    found = [(int(m.group(1)), d / p.name) for p in d.iterdir() if (m := CKPT_RE.match(p.name)) and p.is_file()]
+    return sorted(found)
+
+
+def latest_checkpoint(directory: str | os.PathLike) -> Path | None:
+    ckpts = list_checkpoints(directory)
+    return ckpts[-1][1] if ckpts else None
+
+
+def resolve_resume(cfg: Config) -> Path | None:
+    """The checkpoint to resume from: ``auto`` = newest in the checkpoint dir (None if empty), ``none`` = None,
+    anything else is a path that must exist."""
+    mode = cfg.checkpoint.resume
+    if mode == "none":
+        return None
+    if mode == "auto":
+        return latest_checkpoint(checkpoint_dir(cfg))
+    path = Path(mode)
+    if not path.is_file():
+        raise FileNotFoundError(f"checkpoint.resume={mode!r}: no such checkpoint file")
+    return path
+
+
+def _fsync_dir(directory: Path) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:  # some filesystems do not allow opening directories
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class CheckpointWriteError(RuntimeError):
+    """A checkpoint could not be written (disk full, permissions, ...). Earlier checkpoints are untouched."""
+
+
+class AtomicCheckpointIO(CheckpointIO):
+    """torch.save to a temp file + fsync + os.replace; torch.load with weights_only=True."""
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: str | os.PathLike, storage_options: Any = None) -> None:
+        if storage_options is not None:
+            raise TypeError("AtomicCheckpointIO takes no storage_options")
+        path = Path(path)
+        tmp = path.with_name(path.name + ".tmp")
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with open(tmp, "wb") as f:
+                torch.save(checkpoint, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+            _fsync_dir(path.parent)
+        except (OSError, RuntimeError) as e:
+            if tmp.is_file():
+                tmp.unlink(missing_ok=True)
+            raise CheckpointWriteError(
+                f"could not write checkpoint {path}: {e}. Earlier checkpoints in {path.parent} are kept."
+            ) from e
+
+    def load_checkpoint(
+        self, path: str | os.PathLike, map_location: Any = None, weights_only: bool | None = True
+    ) -> Any:
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"checkpoint not found: {path}")
+        # Never fall back to unsafe unpickling: a checkpoint that needs it is refused with torch's message.
+        return torch.load(path, map_location=map_location or "cpu", weights_only=True)
+
+    def remove_checkpoint(self, path: str | os.PathLike) -> None:
+        Path(path).unlink(missing_ok=True)
+
+
+def _any_rank(flag: bool, device: torch.device) -> bool:
+    """True on every rank if ``flag`` is True on any rank (a collective: all ranks must call it)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return flag
+    t = torch.tensor([1 if flag else 0], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
+class PeriodicCheckpoint(pl.Callback):
+    """Save every ``every_n_steps`` optimizer steps and at the end, keep the newest ``keep_last``, and save then
+    stop cleanly on SIGTERM / SIGUSR1 (SLURM preemption, ``kill``, ``scancel``), with or without SLURM.
+
+    Lightning's own SIGTERM handling raises out of the loop without saving, so this callback replaces the
+    handlers once training starts: the handler only sets a flag; at the next optimizer-step boundary all ranks
+    agree on it (one all-reduce), save a checkpoint and stop.
+    """
+
+    def __init__(self, directory: str | os.PathLike, every_n_steps: int, keep_last: int) -> None:
+        self.dir = Path(directory)
+        self.every_n_steps = every_n_steps
+        self.keep_last = max(1, keep_last)
+        self.preempted = False  # set when training stopped because of a signal
+        self.last_saved: Path | None = None
+        self.last_saved_step = -1
+        self._signal_received = False
+        self._last_step = -1
+        self._old_handlers: dict[int, Any] = {}
+
+    # -- signals --------------------------------------------------------------------------------------------
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        self._signal_received = True
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._last_step = trainer.global_step
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
+            with contextlib.suppress(ValueError):  # not in the main thread: leave signals to Lightning
+                self._old_handlers[sig] = signal.signal(sig, self._on_signal)
+
+    def _restore_signals(self) -> None:
+        for sig, handler in self._old_handlers.items():
+            signal.signal(sig, handler)
+        self._old_handlers = {}
+
+    # -- saving ---------------------------------------------------------------------------------------------
+    def save(self, trainer: pl.Trainer) -> Path:
+        """Write ``step-<global_step>.ckpt`` (all ranks must call this), then prune old ones on rank 0."""
+        path = self.dir / checkpoint_name(trainer.global_step)
+        trainer.save_checkpoint(path, weights_only=False)
+        self.last_saved, self.last_saved_step = path, trainer.global_step
+        if trainer.is_global_zero:
+            for _, old in list_checkpoints(self.dir)[: -self.keep_last]:
+                old.unlink(missing_ok=True)
+        return path
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs, batch, batch_idx) -> None:
+        step = trainer.global_step
+        if step == self._last_step:  # inside a gradient-accumulation window: not a step boundary
+            return
+        self._last_step = step
+        stop = _any_rank(self._signal_received, pl_module.device)
+        if stop and step < trainer.max_steps:
+            path = self.save(trainer)
+            self.preempted = True
+            trainer.should_stop = True
+            if trainer.is_global_zero:
+                print(f"[checkpoint] signal received: saved {path} at step {step}; stopping (rerun to resume)")
+            return
+        if self.every_n_steps > 0 and step % self.every_n_steps == 0 and step < trainer.max_steps:
+            self.save(trainer)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._restore_signals()
+        if self.preempted or trainer.global_step == 0:
+            return
+        if self.last_saved_step != trainer.global_step:  # same decision on every rank (no filesystem check)
+            self.save(trainer)
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._restore_signals()

@@ -1,0 +1,155 @@
+"""The LightningModule: a thin wrapper that turns the plain ``NanoVLM`` into a trainable, resumable unit.
+
+What lives here (and only here): the loss step, AdamW with per-part groups and freezing, the lr schedule
+(set from ``global_step`` before every optimizer step), gradient-norm clipping, validation loss, FSDP2 /
+activation checkpointing / compile in ``configure_model``, and the per-rank RNG states in checkpoints.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import lightning.pytorch as pl
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from nanovlm.config import Config
+from nanovlm.train import optim, strategies
+
+
+def build_model(cfg: Config, tokenizer: Any) -> nn.Module:
+    """The NanoVLM for ``cfg.model`` with the tokenizer's vocabulary and ``<image>`` id."""
+    import nanovlm.model as model_pkg
+
+    if hasattr(model_pkg, "build_model"):
+        return model_pkg.build_model(cfg.model, tokenizer)
+    from nanovlm.model.vlm import NanoVLM
+
+    vocab = cfg.model.language.vocab_size or (len(tokenizer) + 63) // 64 * 64
+    return NanoVLM(cfg.model, vocab, tokenizer.convert_tokens_to_ids("<image>"))
+
+
+def _rng_state() -> dict[str, Any]:
+    """This process's RNG states in a form ``torch.load(weights_only=True)`` accepts (tensors, lists, ints)."""
+    np_state = np.random.get_state()
+    state: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "numpy": [np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *np_state[2:]],
+        "python": random.getstate(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    kind, keys, *rest = state["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), *rest))
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+class VLMModule(pl.LightningModule):
+    """Wraps ``NanoVLM`` for Lightning. ``model`` may be passed in (tests, custom projects); otherwise it is
+    built from ``cfg.model`` and ``tokenizer``."""
+
+    def __init__(self, cfg: Config, tokenizer: Any = None, model: nn.Module | None = None) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.model = model if model is not None else build_model(cfg, tokenizer)
+        optim.apply_freezing(self.model, cfg.optim)
+        self.schedule = optim.Schedule.from_config(cfg.optim, cfg.trainer.max_steps)
+        self.last_loss: torch.Tensor | None = None  # loss of the latest micro-batch (for telemetry / steps.jsonl)
+        self.last_grad_norm: float | None = None
+        self._configured = False
+        self._val_sum: torch.Tensor | None = None
+        self._val_tokens: torch.Tensor | None = None
+
+    # -- model setup (called by Lightning once processes and devices exist) ----------------------------------
+    def configure_model(self) -> None:
+        if self._configured:
+            return
+        self._configured = True
+        tcfg = self.cfg.trainer
+        if tcfg.activation_checkpointing:
+            strategies.apply_activation_checkpointing(self.model)
+        if tcfg.compile:
+            strategies.apply_compile(self.model)
+        if tcfg.strategy == "fsdp":
+            device = self.trainer.strategy.root_device if self._trainer is not None else torch.device("cpu")
+            strategies.shard_model(self.model, self.trainer.precision, device)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return optim.build_optimizer(self.model, self.cfg.optim)
+
+    # -- training ---------------------------------------------------------------------------------------------
+    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        out = self.model(batch)
+        loss = out["loss"]
+        self.last_loss = loss.detach()
+        self.log("loss", self.last_loss, prog_bar=True, logger=False)
+        return loss
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        # The lr of the step about to be taken is a pure function of the step count: exact after resume.
+        optim.set_lr(optimizer, self.schedule(self.trainer.global_step))
+
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
+        """Clip the global gradient norm to ``optim.grad_clip`` (0 = no clipping) and remember the norm."""
+        params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        max_norm = self.cfg.optim.grad_clip if self.cfg.optim.grad_clip > 0 else float("inf")
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        if hasattr(norm, "full_tensor"):  # FSDP2: a DTensor
+            norm = norm.full_tensor()
+        self.last_grad_norm = float(norm)
+
+    # -- validation -------------------------------------------------------------------------------------------
+    def on_validation_epoch_start(self) -> None:
+        self._val_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        self._val_tokens = torch.zeros((), dtype=torch.float64, device=self.device)
+
+    def validation_step(self, batch: dict, batch_idx: int) -> None:
+        out = self.model(batch)
+        n = out["n_loss_tokens"].to(torch.float64)
+        self._val_sum += out["loss"].detach().to(torch.float64) * n
+        self._val_tokens += n
+
+    def on_validation_epoch_end(self) -> None:
+        """Token-weighted mean loss over all ranks' validation packs."""
+        totals = torch.stack([self._val_sum, self._val_tokens])
+        if dist.is_available() and dist.is_initialized():
+            dist.all_reduce(totals)
+        if totals[1] > 0:
+            val_loss = (totals[0] / totals[1]).float()
+            self.log("val/loss", val_loss, prog_bar=True, rank_zero_only=True)
+            if self.trainer.is_global_zero:
+                print(
+                    f"[val] step {self.trainer.global_step}: val/loss {val_loss.item():.4f} over {int(totals[1])} tokens"
+                )
+
+    # -- checkpoint extras ------------------------------------------------------------------------------------
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Store the RNG states of every rank (a collective: Lightning calls this on all ranks)."""
+        state = _rng_state()
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            gathered: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(gathered, state)
+        else:
+            gathered = [state]
+        checkpoint["rng_states"] = gathered
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        states = checkpoint.get("rng_states")
+        if not states:
+            return
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        if len(states) == world:
+            _set_rng_state(states[rank])
+        elif rank == 0:
+            print(f"[resume] checkpoint has RNG states of {len(states)} ranks, this run has {world}: RNG not restored")

@@ -1,0 +1,165 @@
+"""One training run from a resolved ``Config``: data, model, Lightning Trainer, fit, end-of-run evaluation.
+
+``scripts/train.py`` (via ``nanovlm.cli.train``) and projects created from ``template/`` call ``train``.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+
+from nanovlm.config import Config, save_config
+from nanovlm.train import strategies
+from nanovlm.train.callbacks import DataProgress, StartSummary, Telemetry
+from nanovlm.train.checkpoint import AtomicCheckpointIO, PeriodicCheckpoint, checkpoint_dir, resolve_resume
+from nanovlm.train.module import VLMModule
+
+
+@dataclass
+class TrainResult:
+    run_dir: Path
+    global_step: int
+    preempted: bool  # stopped early by SIGTERM / SIGUSR1 (a checkpoint was saved)
+    last_checkpoint: Path | None
+    resumed_from: Path | None
+    telemetry: list[dict[str, float]] = field(default_factory=list)  # rank 0's logged rows
+    eval: dict[str, Any] | None = None
+
+
+@contextmanager
+def file_lock(path: Path):
+    """An exclusive inter-process lock (ranks starting together must not build the demo data twice)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def ensure_data(cfg: Config) -> None:
+    """Build the procedural demo dataset and tokenizer on first use when the config asks for it."""
+    if not cfg.data.make_demo_if_missing:
+        return
+    from nanovlm.data.demo import ensure_demo_data
+
+    lock = Path(cfg.data.tokenizer).parent / ".demo.lock"
+    with file_lock(lock):
+        ensure_demo_data(cfg.data)
+
+
+def build_loggers(cfg: Config) -> list[Any]:
+    """CSV (``<run_dir>/csv/metrics.csv``), plus TensorBoard (``<run_dir>/tb``) when it is installed."""
+    from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+
+    if cfg.trainer.logger == "none":
+        return []
+    loggers: list[Any] = [CSVLogger(cfg.trainer.run_dir, name="", version="csv")]
+    try:
+        import tensorboard  # noqa: F401
+
+        has_tb = True
+    except ImportError:
+        has_tb = False
+    if cfg.trainer.logger == "tensorboard" and not has_tb:
+        raise RuntimeError("trainer.logger=tensorboard needs the tensorboard package: pip install tensorboard")
+    if has_tb:
+        loggers.append(TensorBoardLogger(cfg.trainer.run_dir, name="", version="tb"))
+    return loggers
+
+
+def build_trainer(
+    cfg: Config, config_files: list[str] | None = None
+) -> tuple[pl.Trainer, PeriodicCheckpoint, Telemetry]:
+    """The Lightning Trainer for ``cfg`` with the project's callbacks (in the order they must run)."""
+    t = cfg.trainer
+    ckpt = PeriodicCheckpoint(checkpoint_dir(cfg), cfg.checkpoint.every_n_steps, cfg.checkpoint.keep_last)
+    telemetry = Telemetry(cfg)
+    callbacks: list[pl.Callback] = [
+        StartSummary(cfg, config_files or []),
+        DataProgress(t.run_dir, t.accumulate_grad_batches),  # before the checkpoint callback (see callbacks.py)
+        telemetry,
+        ckpt,
+    ]
+    if t.progress_bar:
+        from lightning.pytorch.callbacks import TQDMProgressBar
+
+        callbacks.append(TQDMProgressBar(refresh_rate=max(1, min(10, t.log_every_n_steps))))
+    accum = t.accumulate_grad_batches
+    # The training stream is infinite: validation is scheduled in micro-batches, and "0" means at the last step.
+    val_every = t.val_every_n_steps if t.val_every_n_steps > 0 else t.max_steps
+    has_val = bool(cfg.data.val) and t.val_batches > 0
+    plugins: list[Any] = [AtomicCheckpointIO()]
+    if "SLURM_NTASKS" in os.environ:
+        from lightning.pytorch.plugins.environments import SLURMEnvironment
+
+        plugins.append(SLURMEnvironment(auto_requeue=False))  # preemption is handled by PeriodicCheckpoint
+    trainer = pl.Trainer(
+        accelerator=strategies.resolve_accelerator(t),
+        devices=t.devices,
+        num_nodes=t.num_nodes,
+        strategy=strategies.build_strategy(t),
+        precision=strategies.resolve_precision(t),
+        max_steps=t.max_steps,
+        max_epochs=-1,
+        accumulate_grad_batches=accum,
+        gradient_clip_val=cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else None,
+        val_check_interval=val_every * accum if has_val else None,
+        check_val_every_n_epoch=None,
+        limit_val_batches=t.val_batches if has_val else 0,
+        num_sanity_val_steps=0,
+        log_every_n_steps=t.log_every_n_steps,
+        logger=build_loggers(cfg) or False,
+        enable_checkpointing=False,  # PeriodicCheckpoint does it
+        enable_progress_bar=t.progress_bar,
+        enable_model_summary=False,
+        use_distributed_sampler=False,  # the DataModule splits the data over ranks itself
+        callbacks=callbacks,
+        plugins=plugins,
+        default_root_dir=t.run_dir,
+    )
+    return trainer, ckpt, telemetry
+
+
+def train(
+    cfg: Config,
+    config_files: list[str] | None = None,
+    datamodule: pl.LightningDataModule | None = None,
+    module: VLMModule | None = None,
+) -> TrainResult:
+    """Train (or resume) the run described by ``cfg``; evaluate at the end when ``trainer.eval_at_end``."""
+    pl.seed_everything(cfg.trainer.seed, workers=True, verbose=False)
+    ensure_data(cfg)
+    if datamodule is None:
+        from nanovlm.data.datamodule import PackedMultimodalDataModule
+
+        datamodule = PackedMultimodalDataModule(cfg.data, cfg.model)
+    if module is None:
+        module = VLMModule(cfg, datamodule.tokenizer)
+    resume = resolve_resume(cfg)
+    trainer, ckpt, telemetry = build_trainer(cfg, config_files)
+    if strategies.global_rank_from_env() == 0:
+        save_config(cfg, cfg.trainer.run_dir)
+        if resume is not None:
+            print(f"[resume] from {resume}", flush=True)
+    trainer.fit(module, datamodule=datamodule, ckpt_path=resume, weights_only=True)
+    result = TrainResult(
+        run_dir=Path(cfg.trainer.run_dir),
+        global_step=trainer.global_step,
+        preempted=ckpt.preempted,
+        last_checkpoint=ckpt.last_saved,
+        resumed_from=resume,
+        telemetry=telemetry.history,
+    )
+    if cfg.trainer.eval_at_end and not ckpt.preempted and trainer.global_step >= cfg.trainer.max_steps:
+        from nanovlm.train.evaluate import evaluate_at_end
+
+        result.eval = evaluate_at_end(cfg, module, datamodule, trainer)
+    return result

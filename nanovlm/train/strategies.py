@@ -1,0 +1,116 @@
+"""Distributed strategies, precision, activation checkpointing and compilation, chosen from ``trainer.*``.
+
+- ``auto`` / ``single``: one process (Lightning picks the device).
+- ``ddp``: ``DDPStrategy`` (gloo on CPU, NCCL on GPU). Every rank holds the full model.
+- ``fsdp``: FSDP2 through Lightning's ``ModelParallelStrategy``. The LightningModule calls ``shard_model`` in
+  ``configure_model``, which applies ``fully_shard`` to every transformer block and then to the root module
+  over a 1-D data-parallel mesh of all ranks. Checkpoints are written as one *full* (gathered) state dict by
+  rank 0 (``save_distributed_checkpoint=False``): simple, portable between world sizes, and exact on resume;
+  fine for models up to a few billion parameters.
+
+Works the same under ``python scripts/train.py`` (Lightning launches the local processes), ``torchrun`` and
+SLURM ``srun`` (Lightning reads the rank from the environment).
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+from typing import Any
+
+import torch
+from torch import nn
+
+from nanovlm.config import TrainerConfig
+
+DIST_TIMEOUT = timedelta(minutes=30)
+
+
+def resolve_accelerator(cfg: TrainerConfig) -> str:
+    """'auto' -> 'gpu' when CUDA is available, else 'cpu'."""
+    if cfg.accelerator == "auto":
+        return "gpu" if torch.cuda.is_available() else "cpu"
+    return cfg.accelerator
+
+
+def resolve_precision(cfg: TrainerConfig) -> str:
+    """'auto' -> bf16-mixed on GPU, 32-true on CPU (bitwise-reproducible, and CPU bf16 autocast is slow)."""
+    if cfg.precision != "auto":
+        return cfg.precision
+    return "bf16-mixed" if resolve_accelerator(cfg) == "gpu" else "32-true"
+
+
+def build_strategy(cfg: TrainerConfig) -> Any:
+    """A Lightning strategy object (or the string 'auto') for ``trainer.strategy``."""
+    if cfg.strategy in ("auto", "single"):
+        return "auto"
+    if cfg.strategy == "ddp":
+        from lightning.pytorch.strategies import DDPStrategy
+
+        # find_unused_parameters=False: every part gets a gradient (frozen parts have requires_grad=False).
+        return DDPStrategy(find_unused_parameters=False, timeout=DIST_TIMEOUT)
+    if cfg.strategy == "fsdp":
+        from lightning.pytorch.strategies import ModelParallelStrategy
+
+        return ModelParallelStrategy(save_distributed_checkpoint=False, timeout=DIST_TIMEOUT)
+    raise ValueError(f"unknown trainer.strategy {cfg.strategy!r}; choose auto, single, ddp or fsdp")
+
+
+def transformer_blocks(model: nn.Module) -> list[nn.Module]:
+    """The repeated blocks that FSDP2, activation checkpointing and compile act on."""
+    return [*model.vision.blocks, *model.language.layers]
+
+
+def apply_activation_checkpointing(model: nn.Module) -> None:
+    """Recompute each block's activations in backward. Wraps ``forward`` in place, so parameter names (and
+    therefore checkpoints) are the same with and without it."""
+    from torch.utils.checkpoint import checkpoint
+
+    for block in transformer_blocks(model):
+        inner = block.forward
+
+        def forward(*args, _inner=inner, **kwargs):
+            return checkpoint(_inner, *args, use_reentrant=False, **kwargs)
+
+        block.forward = forward
+
+
+def apply_compile(model: nn.Module) -> None:
+    """``torch.compile`` each block in place (``nn.Module.compile`` keeps parameter names)."""
+    for block in transformer_blocks(model):
+        block.compile()
+
+
+def shard_model(model: nn.Module, precision: str, device: torch.device) -> None:
+    """FSDP2: ``fully_shard`` each transformer block, then the root (embeddings, projector, head).
+
+    Uses a 1-D mesh over all ranks (pure data parallel). Under bf16 precision the sharded parameters are
+    gathered in bf16 and gradients reduced in fp32.
+    """
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),), mesh_dim_names=("data_parallel",))
+    kwargs: dict[str, Any] = {"mesh": mesh}
+    if precision.startswith("bf16"):
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for block in transformer_blocks(model):
+        fully_shard(block, **kwargs)
+    fully_shard(model, **kwargs)
+
+
+def world_size_from_env() -> int:
+    """World size known before Lightning starts processes (torchrun / SLURM), else 1."""
+    for var in ("WORLD_SIZE", "SLURM_NTASKS"):
+        if os.environ.get(var, "").isdigit():
+            return int(os.environ[var])
+    return 1
+
+
+def global_rank_from_env() -> int:
+    """This process's global rank before torch.distributed is initialised (0 when not launched by a launcher)."""
+    for var in ("RANK", "SLURM_PROCID", "LOCAL_RANK"):  # LOCAL_RANK: processes Lightning started on one node
+        if os.environ.get(var, "").isdigit():
+            return int(os.environ[var])
+    return 0
