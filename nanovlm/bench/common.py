@@ -1,0 +1,173 @@
+"""Shared helpers for the benchmark suite: robust statistics, repetition, machine description, tables.
+
+Every figure the suite reports comes from ``Stats`` (median and spread over repetitions with warm-up
+excluded), so a reader can see how noisy a number is, not just its value.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass
+class Stats:
+    """Median and spread of repeated measurements (warm-up already excluded)."""
+
+    median: float
+    min: float
+    max: float
+    q1: float
+    q3: float
+    n: int
+
+    @classmethod
+    def of(cls, values: Sequence[float]) -> Stats:
+        if not values:
+            raise ValueError("Stats.of needs at least one value")
+        v = sorted(float(x) for x in values)
+        q = statistics.quantiles(v, n=4, method="inclusive") if len(v) > 1 else [v[0]] * 3
+        return cls(median=statistics.median(v), min=v[0], max=v[-1], q1=q[0], q3=q[2], n=len(v))
+
+    def fmt(self, digits: int = 1, scale: float = 1.0) -> str:
+        """'12.3 [11.9-12.8]': median and min-max, for tables."""
+        f = f"{{:.{digits}f}}"
+        return f"{f.format(self.median * scale)} [{f.format(self.min * scale)}-{f.format(self.max * scale)}]"
+
+    def to_dict(self) -> dict[str, float]:
+        return asdict(self)
+
+
+def percentile(values: Sequence[float], p: float) -> float:
+    """Linear-interpolated percentile (p in 0..100) without numpy, for step-time p99."""
+    v = sorted(values)
+    if not v:
+        raise ValueError("percentile of an empty sequence")
+    k = (len(v) - 1) * p / 100.0
+    lo, hi = int(k), min(int(k) + 1, len(v) - 1)
+    return v[lo] + (v[hi] - v[lo]) * (k - lo)
+
+
+def repeat(fn: Callable[[], Any], reps: int, warmup: int = 1) -> tuple[list[float], Any]:
+    """Run ``fn`` warmup + reps times; return the wall times (s) of the timed runs and the last result."""
+    result = None
+    for _ in range(warmup):
+        result = fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        result = fn()
+        times.append(time.perf_counter() - t0)
+    return times, result
+
+
+def peak_rss_mb(children: bool = False) -> float:
+    """Peak resident set size (MB) of this process, or the largest of its reaped children (Linux: KiB)."""
+    who = resource.RUSAGE_CHILDREN if children else resource.RUSAGE_SELF
+    return resource.getrusage(who).ru_maxrss / 1024.0
+
+
+def current_rss_mb(pid: int | None = None) -> float:
+    """Current RSS (MB) of a process from /proc (0.0 when unavailable)."""
+    try:
+        with open(f"/proc/{pid or os.getpid()}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024.0
+    except OSError:
+        pass
+    return 0.0
+
+
+def peak_rss_of_pid_mb(pid: int) -> float:
+    """Peak RSS (VmHWM, MB) of a live process, e.g. a DataLoader worker (0.0 when unavailable)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024.0
+    except OSError:
+        pass
+    return 0.0
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def _git_commit() -> str:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=5,
+            cwd=os.path.dirname(os.path.abspath(__file__)),
+        )
+        return out.stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def machine_description() -> dict[str, Any]:
+    """What the numbers were measured on: CPU, cores, memory, torch, GPU (if any), load at start."""
+    try:
+        mem_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
+    except (ValueError, OSError):
+        mem_gb = 0.0
+    desc: dict[str, Any] = {
+        "cpu": _cpu_model(),
+        "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "memory_gb": round(mem_gb, 1),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "platform": platform.platform(),
+        "load_avg_1m": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None,
+        "git_commit": _git_commit(),
+        "gpu": None,
+    }
+    try:
+        import transformers
+        import webdataset
+
+        desc["transformers"] = transformers.__version__
+        desc["webdataset"] = getattr(webdataset, "__version__", "unknown")
+    except ImportError:
+        pass
+    if torch.cuda.is_available():
+        p = torch.cuda.get_device_properties(0)
+        desc["gpu"] = {
+            "name": p.name,
+            "count": torch.cuda.device_count(),
+            "memory_gb": round(p.total_memory / 1e9, 1),
+            "cuda": torch.version.cuda,
+        }
+    return desc
+
+
+def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """A GitHub markdown table; numbers are expected pre-formatted as strings."""
+    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def pct(x: float, digits: int = 1) -> str:
+    return f"{100.0 * x:.{digits}f}%"

@@ -1,0 +1,48 @@
+"""Inputs shared by the benchmark sections: the config, the demo data, and datasets given on the command line."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from nanovlm.bench import distributions as dist
+from nanovlm.config import Config, image_token_count, load_config
+
+
+def bench_config(args: argparse.Namespace, overrides: list[str] | None = None) -> Config:
+    """The config the data/model sections use: ``--config`` files (default tiny_cpu.yaml) plus overrides."""
+    files = args.config or ["tiny_cpu.yaml"]
+    return load_config(files, overrides or [])
+
+
+def demo_dirs(cfg: Config) -> tuple[list[str], str]:
+    """Train dirs and tokenizer of ``cfg``, building the procedural demo dataset first when it is missing."""
+    if cfg.data.make_demo_if_missing:
+        from nanovlm.data.demo import ensure_demo_data
+
+        ensure_demo_data(cfg.data)
+    return list(cfg.data.train), cfg.data.tokenizer
+
+
+def index_length_sets(args: argparse.Namespace) -> tuple[list[dist.LengthSet], dict[str, tuple[int, int]]]:
+    """Length sets for the packing section: the demo data (unless --index is given) and every --index dir.
+
+    Budgets: ``--budget`` or the config's ``data.max_tokens``; image cap: the config's ``data.max_images``;
+    image tokens per image: the config's model (the same formula training uses).
+    """
+    cfg = bench_config(args)
+    L = args.budget or cfg.data.max_tokens
+    itc = image_token_count(cfg.model)
+    sets: list[dist.LengthSet] = []
+    budgets: dict[str, tuple[int, int]] = {}
+    dirs = list(args.index)
+    if not dirs:
+        train, _ = demo_dirs(cfg)
+        dirs = train
+    for d in dirs:
+        if not (Path(d) / "index.json").is_file():
+            raise FileNotFoundError(f"--index {d}: no index.json there (prepare it with scripts/prepare_data.py)")
+        ls = dist.from_index(d, image_token_count=itc, name=f"index:{Path(d).parent.name}/{Path(d).name}")
+        sets.append(ls)
+        budgets[ls.name] = (L, cfg.data.max_images)
+    return sets, budgets
