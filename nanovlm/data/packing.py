@@ -1,0 +1,209 @@
+"""Packing algorithms: pure functions over (length, n_images) lists. No I/O, no tensors.
+
+A *pack* is a list of item indices whose lengths fit one training sequence of ``max_tokens`` slots and whose
+images fit the vision budget ``max_images``. Fill = real tokens / slots.
+
+``pack_online`` is what training uses. It is online (it sees the stream through a bounded lookahead buffer, so
+it runs in one pass, in O(N log lookahead), and its output depends only on the order it is given) and it
+carries items that do not fit the current pack over to later packs instead of flushing the whole buffer, which
+would leave a half-empty tail pack every ``lookahead`` items. The carry-over is bounded in age: an item that
+has waited ``max_carry`` packs is placed first into the next pack, so no item waits forever and the reader
+that assembles packs never holds more than ``lookahead`` + a few packs of samples.
+
+``ffd_reference`` (offline first-fit-decreasing over everything, same two budgets) is the practical optimum
+that fill is measured against; ``pad_to_longest`` and ``constrained`` are the padded baselines.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+OVERLENGTH_CHOICES = ("drop", "truncate")
+
+
+@dataclass
+class PackResult:
+    """Output of a batcher. Indices refer to positions in the input lists."""
+
+    packs: list[list[int]]  # item indices per pack (packed mode) or per padded batch (baselines)
+    lengths: list[int]  # effective length of every input item (clipped when truncated)
+    skipped: dict[str, list[int]] = field(default_factory=dict)  # reason -> item indices never placed
+    truncated: list[int] = field(default_factory=list)  # items whose length was clipped
+    max_wait: int = 0  # most packs any item waited in the carry-over buffer (pack_online only)
+
+    def real_tokens(self) -> int:
+        return sum(self.lengths[i] for p in self.packs for i in p)
+
+    def fill(self, slots_per_pack: int) -> float:
+        """Real tokens / (packs x slots_per_pack)."""
+        return self.real_tokens() / max(1, len(self.packs) * slots_per_pack)
+
+
+def _effective(
+    lengths: Sequence[int], n_images: Sequence[int], limit: int, max_images: int, overlength: str
+) -> tuple[list[int], dict[str, list[int]], list[int]]:
+    """Apply the over-length rule: returns (effective lengths, skipped by reason, truncated indices)."""
+    if overlength not in OVERLENGTH_CHOICES:
+        raise ValueError(f"overlength must be one of {OVERLENGTH_CHOICES}, got {overlength!r}")
+    if len(lengths) != len(n_images):
+        raise ValueError(f"lengths ({len(lengths)}) and n_images ({len(n_images)}) differ in length")
+    eff: list[int] = []
+    skipped: dict[str, list[int]] = {}
+    truncated: list[int] = []
+    for i, (n, m) in enumerate(zip(lengths, n_images)):
+        n, m = int(n), int(m)
+        if n <= 0:
+            skipped.setdefault("empty", []).append(i)
+        elif m > max_images:
+            skipped.setdefault("too_many_images", []).append(i)
+        elif n > limit:
+            if overlength == "drop":
+                skipped.setdefault("overlength", []).append(i)
+            else:
+                truncated.append(i)
+                n = limit
+        eff.append(n)
+    return eff, skipped, truncated
+
+
+def pack_online(
+    lengths: Sequence[int],
+    n_images: Sequence[int],
+    max_tokens: int,
+    max_images: int,
+    lookahead: int = 64,
+    max_carry: int = 8,
+    overlength: str = "drop",
+) -> PackResult:
+    """Online best-fit packing over a lookahead buffer, with bounded carry-over.
+
+    The buffer holds the next ``lookahead`` valid items of the stream (refilled after every placement). A pack
+    is built by (1) placing, in arrival order, buffered items that have already waited ``max_carry`` packs,
+    then (2) repeatedly placing the largest buffered item that still fits both budgets (oldest first among
+    equal lengths). It is emitted when no buffered item fits. Every valid item ends in exactly one pack.
+    """
+    if max_tokens <= 0 or max_images < 0 or lookahead <= 0 or max_carry < 0:
+        raise ValueError("max_tokens and lookahead must be positive, max_images and max_carry non-negative")
+    eff, skipped, truncated = _effective(lengths, n_images, max_tokens, max_images, overlength)
+    invalid = {i for idx in skipped.values() for i in idx}
+    n_items = len(eff)
+    imgs = [int(m) for m in n_images]
+
+    buf: list[tuple[int, int]] = []  # sorted (length, -index): bisect finds the largest fit, oldest first
+    entered: dict[int, int] = {}  # index -> number of packs emitted when it entered the buffer
+    arrival: deque[int] = deque()  # buffered indices in arrival order (lazily cleaned)
+    packs: list[list[int]] = []
+    nxt = 0
+    max_wait = 0
+
+    def refill() -> None:
+        nonlocal nxt
+        while len(entered) < lookahead and nxt < n_items:
+            i = nxt
+            nxt += 1
+            if i in invalid:
+                continue
+            bisect.insort(buf, (eff[i], -i))
+            entered[i] = len(packs)
+            arrival.append(i)
+
+    def take(i: int, pack: list[int]) -> None:
+        nonlocal max_wait
+        del buf[bisect.bisect_left(buf, (eff[i], -i))]
+        max_wait = max(max_wait, len(packs) - entered.pop(i))
+        pack.append(i)
+
+    while True:
+        refill()
+        if not entered:
+            break
+        pack: list[int] = []
+        tokens = images = 0
+        # (1) items that waited too long go first, oldest first
+        while arrival:
+            i = arrival[0]
+            if i not in entered:
+                arrival.popleft()
+                continue
+            if len(packs) - entered[i] < max_carry or tokens + eff[i] > max_tokens or images + imgs[i] > max_images:
+                break
+            arrival.popleft()
+            take(i, pack)
+            tokens += eff[i]
+            images += imgs[i]
+        # (2) best fit: the largest buffered item that fits what is left
+        while True:
+            refill()
+            room, img_room = max_tokens - tokens, max_images - images
+            j = bisect.bisect_right(buf, (room, 1)) - 1
+            while j >= 0 and imgs[-buf[j][1]] > img_room:
+                j -= 1
+            if j < 0:
+                break
+            i = -buf[j][1]
+            take(i, pack)
+            tokens += eff[i]
+            images += imgs[i]
+        packs.append(pack)
+    return PackResult(packs, eff, skipped, truncated, max_wait)
+
+
+def ffd_reference(
+    lengths: Sequence[int], n_images: Sequence[int], max_tokens: int, max_images: int, overlength: str = "drop"
+) -> PackResult:
+    """Offline first-fit-decreasing with the same two budgets: the fill reference (needs the whole dataset)."""
+    eff, skipped, truncated = _effective(lengths, n_images, max_tokens, max_images, overlength)
+    invalid = {i for idx in skipped.values() for i in idx}
+    order = sorted((i for i in range(len(eff)) if i not in invalid), key=lambda i: (-eff[i], i))
+    cap = max(1, len(order))
+    room = np.zeros(cap, dtype=np.int64)  # token room per open pack
+    img_room = np.zeros(cap, dtype=np.int64)
+    packs: list[list[int]] = []
+    for i in order:
+        n, m = eff[i], int(n_images[i])
+        k = len(packs)
+        fits = np.flatnonzero((room[:k] >= n) & (img_room[:k] >= m))
+        if fits.size:
+            b = int(fits[0])
+        else:
+            b = k
+            packs.append([])
+            room[b], img_room[b] = max_tokens, max_images
+        packs[b].append(i)
+        room[b] -= n
+        img_room[b] -= m
+    return PackResult(packs, eff, skipped, truncated)
+
+
+def pad_to_longest(
+    lengths: Sequence[int], n_images: Sequence[int], batch_size: int, max_tokens: int, overlength: str = "drop"
+) -> PackResult:
+    """Baseline: consecutive batches of ``batch_size`` samples, each padded to its longest sample.
+
+    Slots of a batch = batch_size x longest; samples longer than ``max_tokens`` follow ``overlength``.
+    """
+    return constrained(lengths, n_images, batch_size, max_tokens, overlength)
+
+
+def constrained(
+    lengths: Sequence[int], n_images: Sequence[int], batch_size: int, cutoff: int, overlength: str = "drop"
+) -> PackResult:
+    """Baseline: like pad_to_longest, but the padded length is capped at ``cutoff`` (longer samples are
+    dropped or truncated to it), which bounds the padding a single long sample can cause."""
+    if batch_size <= 0 or cutoff <= 0:
+        raise ValueError("batch_size and cutoff must be positive")
+    eff, skipped, truncated = _effective(lengths, n_images, cutoff, 1 << 30, overlength)
+    invalid = {i for idx in skipped.values() for i in idx}
+    valid = [i for i in range(len(eff)) if i not in invalid]
+    packs = [valid[k : k + batch_size] for k in range(0, len(valid), batch_size)]
+    return PackResult(packs, eff, skipped, truncated)
+
+
+def padded_slots(result: PackResult) -> int:
+    """Slots used by padded batches: sum over batches of batch_size_actual x longest."""
+    return sum(len(p) * max(result.lengths[i] for i in p) for p in result.packs if p)

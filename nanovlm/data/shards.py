@@ -1,0 +1,338 @@
+"""The deterministic epoch plan: order, split over ranks x workers, and the packs of every slot.
+
+Everything here is a pure function of the dataset indexes' metadata (per sample: shard, byte range, token
+length, image count), the seed and the epoch, so
+
+* every rank computes the same global plan without communicating, and therefore agrees on the number of
+  steps per epoch (no rank ever waits on a collective at an epoch end);
+* resuming is a seek: the plan of the current epoch is recomputed in O(N) metadata work and the reader jumps
+  to the first unconsumed pack, whatever the position in the epoch.
+
+Terms: a *gid* is a row of the ``SampleTable`` (one sample of one training directory); the epoch *order* is a
+sequence of gids (a gid may occur more than once when a directory's weight is above 1); a *position* indexes
+that order, so it identifies one occurrence. A *slot* is one (rank, DataLoader worker) pair:
+``slot = rank * slots_per_rank + worker``.
+
+Epoch e's order = the samples carried in from epoch e-1 (cut at its end, see below) followed by the fresh
+order: per directory, its shards shuffled (one shard permutation per pass; a fractional weight adds a seeded
+random subset of one more pass), directories interleaved in proportion to their sizes, then a bounded window
+shuffle over the whole list (no sample moves more than ``shuffle_buffer`` places, so reads stay sequential
+within shards). The order is cut into one contiguous chunk per slot, balanced by tokens; each chunk is packed
+by the online packer; every slot keeps the same number of packs K (the minimum), and the samples of the packs
+cut from longer slots are carried to the front of the next epoch, so nothing is lost and every rank yields
+exactly K x slots_per_rank batches per epoch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from nanovlm.data import packing
+
+
+class PlanError(ValueError):
+    """The data cannot be planned as configured (e.g. too few samples for the number of slots)."""
+
+
+@dataclass
+class SampleTable:
+    """Every sample of the training directories as flat metadata columns (row = gid)."""
+
+    dataset: np.ndarray  # int32 [N] directory index of each sample
+    shard: np.ndarray  # int32 [N] global shard index of each sample
+    offset: np.ndarray  # int64 [N] byte offset of the sample's first tar header in its shard
+    nbytes: np.ndarray  # int64 [N] byte size of the sample's tar members
+    length: np.ndarray  # int64 [N] total tokens (text + image tokens) for the run's model
+    n_images: np.ndarray  # int64 [N]
+    keys: list[str]  # [N] sample keys
+    shard_paths: list[str]  # [n_shards] absolute shard paths
+    shard_dataset: np.ndarray  # int32 [n_shards] directory index of each shard
+    dataset_names: list[str]  # [n_dirs] the directories as given
+    fingerprints: list[str] = field(default_factory=list)  # [n_dirs] content hash of each directory's index
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    @classmethod
+    def from_shard_columns(cls, datasets: Sequence[tuple[str, Sequence[dict]]], image_token_count: int) -> SampleTable:
+        """Build from ``[(dataset_name, [shard, ...]), ...]`` where each shard dict holds ``path``, ``keys``,
+        ``offsets``, ``nbytes``, ``text_tokens`` and ``n_images`` (the columns of index.json)."""
+        cols: dict[str, list] = {k: [] for k in ("dataset", "shard", "offset", "nbytes", "text", "img")}
+        keys: list[str] = []
+        paths: list[str] = []
+        shard_ds: list[int] = []
+        names: list[str] = []
+        prints: list[str] = []
+        for d, (name, shards) in enumerate(datasets):
+            names.append(name)
+            h = hashlib.sha1()
+            for sh in shards:
+                n = len(sh["keys"])
+                for col in ("offsets", "nbytes", "text_tokens", "n_images"):
+                    if len(sh[col]) != n:
+                        raise PlanError(f"index of {name}: shard {sh['path']} has {n} keys but {len(sh[col])} {col}")
+                cols["dataset"].append(np.full(n, d, np.int32))
+                cols["shard"].append(np.full(n, len(paths), np.int32))
+                cols["offset"].append(np.asarray(sh["offsets"], np.int64))
+                cols["nbytes"].append(np.asarray(sh["nbytes"], np.int64))
+                cols["text"].append(np.asarray(sh["text_tokens"], np.int64))
+                cols["img"].append(np.asarray(sh["n_images"], np.int64))
+                keys.extend(sh["keys"])
+                paths.append(str(sh["path"]))
+                shard_ds.append(d)
+                h.update(repr((str(sh["path"]).rsplit("/", 1)[-1], list(sh["keys"]), list(sh["text_tokens"]))).encode())
+                h.update(repr((list(sh["n_images"]), list(sh["offsets"]), list(sh["nbytes"]))).encode())
+            prints.append(h.hexdigest()[:16])
+
+        def cat(name: str, dtype: type) -> np.ndarray:
+            return np.concatenate(cols[name]).astype(dtype) if cols[name] else np.zeros(0, dtype)
+
+        text, img = cat("text", np.int64), cat("img", np.int64)
+        return cls(
+            dataset=cat("dataset", np.int32),
+            shard=cat("shard", np.int32),
+            offset=cat("offset", np.int64),
+            nbytes=cat("nbytes", np.int64),
+            length=text + img * (image_token_count - 1),
+            n_images=img,
+            keys=keys,
+            shard_paths=paths,
+            shard_dataset=np.asarray(shard_ds, np.int32),
+            dataset_names=names,
+            fingerprints=prints,
+        )
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Who consumes the plan: ``world_size`` ranks with ``num_workers`` DataLoader workers each."""
+
+    world_size: int
+    num_workers: int  # 0 = the main process reads (one slot per rank)
+
+    @property
+    def slots_per_rank(self) -> int:
+        return max(1, self.num_workers)
+
+    @property
+    def num_slots(self) -> int:
+        return self.world_size * self.slots_per_rank
+
+
+@dataclass(frozen=True)
+class PackSpec:
+    """How a slot's samples become batches (the packing part of DataConfig)."""
+
+    mode: str = "packed"  # packed | pad_to_longest | constrained
+    max_tokens: int = 4096
+    max_images: int = 16
+    lookahead: int = 64
+    max_carry: int = 8
+    overlength: str = "drop"
+    batch_size: int = 8  # padded baselines only
+    pad_cutoff: int = 0  # constrained only; 0 = max_tokens
+
+    def run(self, lengths: np.ndarray, n_images: np.ndarray) -> packing.PackResult:
+        if self.mode == "packed":
+            return packing.pack_online(
+                lengths, n_images, self.max_tokens, self.max_images, self.lookahead, self.max_carry, self.overlength
+            )
+        if self.mode == "pad_to_longest":
+            return packing.pad_to_longest(lengths, n_images, self.batch_size, self.max_tokens, self.overlength)
+        if self.mode == "constrained":
+            cutoff = min(self.pad_cutoff or self.max_tokens, self.max_tokens)
+            return packing.constrained(lengths, n_images, self.batch_size, cutoff, self.overlength)
+        raise PlanError(f"unknown packing mode {self.mode!r}")
+
+
+def _rng(seed: int, *parts: int) -> np.random.Generator:
+    return np.random.default_rng([seed, *parts])
+
+
+def epoch_order(
+    table: SampleTable,
+    seed: int,
+    epoch: int,
+    weights: Sequence[float] = (),
+    shuffle_buffer: int = 256,
+    shuffle: bool = True,
+) -> np.ndarray:
+    """The fresh sample order of one epoch (gids), from (seed, epoch) and the metadata only.
+
+    ``weights`` are per-directory repeat factors (default 1.0): 2.0 = every sample twice per epoch, 0.5 = a
+    seeded random half, a different half each epoch. ``shuffle=False`` gives the stored order (validation).
+    """
+    n_dirs = len(table.dataset_names)
+    weights = list(weights) or [1.0] * n_dirs
+    if len(weights) != n_dirs or any(w < 0 for w in weights):
+        raise PlanError(f"need one non-negative weight per directory ({n_dirs}), got {weights}")
+    shard_bounds = np.searchsorted(table.shard, np.arange(len(table.shard_paths) + 1))
+    per_dir: list[np.ndarray] = []
+    for d in range(n_dirs):
+        shards = np.flatnonzero(table.shard_dataset == d)
+        full, frac = int(weights[d]), weights[d] - int(weights[d])
+        passes: list[np.ndarray] = []
+        for p in range(full + (1 if frac > 1e-9 else 0)):
+            perm = _rng(seed, epoch, d, p).permutation(shards) if shuffle else shards
+            gids = np.concatenate([np.arange(shard_bounds[s], shard_bounds[s + 1]) for s in perm] or [np.zeros(0)])
+            if p == full:  # the fractional pass: a seeded subset, kept in shard order
+                keep = _rng(seed, epoch, d, p, 1).choice(len(gids), round(frac * len(gids)), replace=False)
+                gids = gids[np.sort(keep)]
+            passes.append(gids.astype(np.int64))
+        per_dir.append(np.concatenate(passes) if passes else np.zeros(0, np.int64))
+    # interleave directories in proportion to their sizes (each spread evenly over the epoch)
+    rel = np.concatenate([(np.arange(len(g)) + 0.5) / max(1, len(g)) for g in per_dir])
+    src = np.concatenate([np.full(len(g), d) for d, g in enumerate(per_dir)])
+    gids = np.concatenate(per_dir)
+    order = gids[np.lexsort((src, rel))]
+    if shuffle and shuffle_buffer > 1 and len(order) > 1:
+        # bounded window shuffle: sort by position + U(0, buffer); no sample moves by more than `buffer`
+        jitter = _rng(seed, epoch, 1 << 20).uniform(0.0, float(shuffle_buffer), len(order))
+        order = order[np.argsort(np.arange(len(order)) + jitter, kind="stable")]
+    return order
+
+
+def balanced_chunks(tokens: np.ndarray, num_slots: int) -> np.ndarray:
+    """Boundaries [num_slots + 1] of contiguous chunks with (nearly) equal token sums."""
+    cum = np.concatenate([[0], np.cumsum(tokens, dtype=np.int64)])
+    targets = cum[-1] * np.arange(1, num_slots) / num_slots
+    inner = np.searchsorted(cum, targets, side="left")
+    return np.concatenate([[0], np.clip(inner, 0, len(tokens)), [len(tokens)]]).astype(np.int64)
+
+
+@dataclass
+class EpochPlan:
+    """The packs of every slot for one epoch (or for the rest of one epoch after an elastic resume)."""
+
+    epoch: int
+    topology: Topology
+    order: np.ndarray  # gids; positions below index this array
+    packs_per_slot: int  # K: every slot yields exactly K packs
+    pack_items: np.ndarray  # positions, pack after pack, slot after slot
+    pack_start: np.ndarray  # [num_slots * K + 1]: pack (slot, k) = pack_items[start[slot*K+k]:start[...+1]]
+    lengths: np.ndarray  # [len(order)] planned length of every position (clipped when truncated)
+    carry_out: np.ndarray  # gids of the cut packs: the front of the next epoch's order
+    skipped: dict[str, np.ndarray]  # reason -> positions never planned (over-length, too many images)
+    truncated: int  # positions whose length was clipped to max_tokens
+    slot_bounds: np.ndarray  # [num_slots + 1]: slot s was given positions slot_bounds[s]:slot_bounds[s+1]
+
+    def pack(self, slot: int, k: int) -> np.ndarray:
+        """Positions of pack ``k`` of ``slot``."""
+        i = slot * self.packs_per_slot + k
+        return self.pack_items[self.pack_start[i] : self.pack_start[i + 1]]
+
+    def batches_per_rank(self) -> int:
+        return self.packs_per_slot * self.topology.slots_per_rank
+
+    def slot_skips(self, slot: int) -> dict[str, np.ndarray]:
+        """Positions of the slot's chunk that the packer skipped, by reason."""
+        lo, hi = self.slot_bounds[slot], self.slot_bounds[slot + 1]
+        return {r: p[(p >= lo) & (p < hi)] for r, p in self.skipped.items() if ((p >= lo) & (p < hi)).any()}
+
+    def rank_positions(self, rank: int) -> np.ndarray:
+        """Positions planned for ``rank`` this epoch: its packs plus what its slots skipped."""
+        spr, k = self.topology.slots_per_rank, self.packs_per_slot
+        lo, hi = self.pack_start[rank * spr * k], self.pack_start[(rank + 1) * spr * k]
+        skipped = [p for s in range(rank * spr, (rank + 1) * spr) for p in self.slot_skips(s).values()]
+        return np.concatenate([self.pack_items[lo:hi], *skipped])
+
+    def consumed_positions(self, consumed: int) -> np.ndarray:
+        """Positions in the packs a rank stream has consumed after ``consumed`` batches, for every rank.
+
+        Batch ``b`` of a rank comes from its local slot ``b % slots_per_rank``, pack ``b // slots_per_rank``.
+        """
+        spr = self.topology.slots_per_rank
+        out = []
+        for rank in range(self.topology.world_size):
+            for local in range(spr):
+                n_packs = max(0, -(-(consumed - local) // spr))  # ceil((consumed - local) / spr)
+                slot = rank * spr + local
+                for k in range(min(n_packs, self.packs_per_slot)):
+                    out.append(self.pack(slot, k))
+        return np.concatenate(out) if out else np.zeros(0, np.int64)
+
+
+def plan_order(table: SampleTable, spec: PackSpec, topology: Topology, order: np.ndarray, epoch: int = 0) -> EpochPlan:
+    """Split ``order`` over the topology's slots balanced by tokens, pack each slot, cut all to K packs."""
+    n_slots = topology.num_slots
+    lengths = table.length[order]
+    n_images = table.n_images[order]
+    bounds = balanced_chunks(np.minimum(lengths, spec.max_tokens), n_slots)
+    per_slot: list[list[np.ndarray]] = []
+    eff = lengths.copy()
+    skipped: dict[str, list[np.ndarray]] = {}
+    truncated = 0
+    for s in range(n_slots):
+        lo, hi = int(bounds[s]), int(bounds[s + 1])
+        res = spec.run(lengths[lo:hi], n_images[lo:hi])
+        eff[lo:hi] = res.lengths
+        truncated += len(res.truncated)
+        for reason, idx in res.skipped.items():
+            skipped.setdefault(reason, []).append(np.asarray(idx, np.int64) + lo)
+        per_slot.append([np.asarray(p, np.int64) + lo for p in res.packs])
+    k = min(len(p) for p in per_slot) if per_slot else 0
+    if k == 0 and len(order):
+        raise PlanError(
+            f"epoch {epoch}: {len(order)} samples cannot give every one of the {n_slots} slots "
+            f"(world_size={topology.world_size} x workers={topology.slots_per_rank}) at least one batch; "
+            "use fewer data.num_workers or ranks, a smaller data.max_tokens, or more data"
+        )
+    kept = [p for slot in per_slot for p in slot[:k]]
+    cut = [p for slot in per_slot for p in slot[k:]]
+    sizes = np.array([len(p) for p in kept], np.int64)
+    carry_pos = np.concatenate(cut) if cut else np.zeros(0, np.int64)
+    return EpochPlan(
+        epoch=epoch,
+        topology=topology,
+        order=order,
+        packs_per_slot=k,
+        pack_items=np.concatenate(kept) if kept else np.zeros(0, np.int64),
+        pack_start=np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64),
+        lengths=eff,
+        carry_out=order[carry_pos],
+        skipped={r: np.concatenate(v) for r, v in skipped.items()},
+        truncated=truncated,
+        slot_bounds=bounds,
+    )
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Part of an epoch consumed under an earlier topology (for elastic resume)."""
+
+    world_size: int
+    num_workers: int
+    consumed: int  # batches each rank had consumed under that topology
+
+
+def build_epoch_plan(
+    table: SampleTable,
+    spec: PackSpec,
+    topology: Topology,
+    seed: int,
+    epoch: int,
+    carry_in: np.ndarray | Sequence[int] = (),
+    history: Sequence[Segment] = (),
+    weights: Sequence[float] = (),
+    shuffle_buffer: int = 256,
+    shuffle: bool = True,
+) -> EpochPlan:
+    """The plan of ``epoch`` for ``topology``.
+
+    ``history`` lists the parts of this epoch consumed under earlier topologies: each is re-planned in turn
+    and the samples of its consumed packs (and the samples it skipped) are removed, so the returned plan
+    covers exactly what remains, split over the new topology.
+    """
+    fresh = epoch_order(table, seed, epoch, weights, shuffle_buffer, shuffle)
+    order = np.concatenate([np.asarray(carry_in, np.int64), fresh])
+    for seg in history:
+        old = plan_order(table, spec, Topology(seg.world_size, seg.num_workers), order, epoch)
+        gone = [old.consumed_positions(seg.consumed), *old.skipped.values()]
+        keep = np.ones(len(order), bool)
+        keep[np.concatenate(gone)] = False
+        order = order[keep]
+    return plan_order(table, spec, topology, order, epoch)
