@@ -1,0 +1,188 @@
+"""Llama / SmolLM2-style decoder: RMSNorm, RoPE, grouped-query attention, SwiGLU MLP, optional tied head.
+
+Three ways to run attention, chosen by the inputs:
+
+- packed (training): one [1, T] row of concatenated samples with ``cu_seqlens``; varlen attention keeps the
+  samples apart and RoPE reads ``position_ids``, which restart at 0 for every sample, so each sample is
+  computed exactly as if it were alone;
+- padded (the pad-to-longest baseline): [B, T] rows with ``attention_mask`` [B, T] (1 = real token); causal
+  attention with key padding through SDPA;
+- cached (generation): one sample, keys/values appended to a preallocated ``KVCache``.
+
+Parameter names follow transformers' ``LlamaForCausalLM`` (``pretrained.py`` maps them).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from nanovlm.config import LanguageConfig
+from nanovlm.model.attention import attention, expand_kv
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * weight, computed in fp32 (as Llama does) and cast back to the input dtype."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def rope_cos_sin(position_ids: torch.Tensor, head_dim: int, theta: float):
+    """fp32 cos, sin [B, T, head_dim] for integer positions [B, T] (computed on the fly: no buffer to shard or init)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=position_ids.device).float() / head_dim))
+    freqs = position_ids.float()[..., None] * inv_freq  # [B, T, head_dim / 2]
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate [B, T, H, D] by position (half-split convention of Llama: pairs are (i, i + D/2)).
+
+    cos/sin are cast to x's dtype so that, under autocast, bf16 q/k stay bf16 for the attention kernels.
+    """
+    cos, sin = cos.unsqueeze(2).to(x.dtype), sin.unsqueeze(2).to(x.dtype)
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+class KVCache:
+    """Preallocated keys and values of every decoder layer for one sample, for incremental decoding."""
+
+    def __init__(self, cfg: LanguageConfig, max_len: int, device: torch.device, dtype: torch.dtype) -> None:
+        head_dim = cfg.hidden_size // cfg.num_heads
+        shape = (cfg.num_layers, 1, max_len, cfg.num_kv_heads, head_dim)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.length = 0  # tokens stored so far (advanced by LanguageModel after each forward)
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k/v [1, T, Hkv, D] at positions length..length+T; return all keys/values so far."""
+        end = self.length + k.shape[1]
+        if end > self.k.shape[2]:
+            raise ValueError(f"KV cache holds {self.k.shape[2]} positions; cannot store up to {end}")
+        self.k[layer, :, self.length : end] = k
+        self.v[layer, :, self.length : end] = v
+        return self.k[layer, :, :end], self.v[layer, :, :end]
+
+
+class DecoderAttention(nn.Module):
+    def __init__(self, cfg: LanguageConfig, attn_backend: str) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads = cfg.num_heads, cfg.num_kv_heads
+        self.head_dim = cfg.hidden_size // cfg.num_heads
+        self.attn_backend = attn_backend
+        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(cfg.num_heads * self.head_dim, cfg.hidden_size, bias=False)
+
+    def forward(self, x, cos, sin, cu_seqlens=None, max_seqlen=None, pad_mask=None, cache=None, layer_idx=0):
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache is not None:  # one sample, new tokens attend to everything cached so far plus themselves
+            start = cache.length
+            k, v = cache.update(layer_idx, k, v)
+            mask = None
+            if t > 1:  # query i sits at position start + i and sees keys 0..start + i
+                mask = torch.arange(k.shape[1], device=x.device) <= (start + torch.arange(t, device=x.device))[:, None]
+            out = self._sdpa(q, k, v, mask)
+        elif cu_seqlens is not None:  # packed [1, T]: varlen attention within each sample
+            if b != 1:
+                raise ValueError(f"a packed batch has one row; got input of shape {tuple(x.shape[:2])}")
+            out = attention(q[0], k[0], v[0], cu_seqlens, max_seqlen, causal=True, backend=self.attn_backend)[None]
+        else:  # padded [B, T] (pad_mask [B, 1, T, T]) or a single unpadded row (pad_mask None: plain causal)
+            out = self._sdpa(q, k, v, pad_mask, causal=pad_mask is None)
+        return self.o_proj(out.reshape(b, t, self.num_heads * self.head_dim))
+
+    def _sdpa(self, q, k, v, mask, causal=False):
+        """[B, T, H, D] tensors through SDPA (kv heads expanded for GQA); returns [B, T, Hq, D]."""
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        k, v = expand_kv(k, self.num_heads, 1), expand_kv(v, self.num_heads, 1)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and mask is None)
+        return out.transpose(1, 2)
+
+
+class DecoderMLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, cfg: LanguageConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: LanguageConfig, attn_backend: str) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = DecoderAttention(cfg, attn_backend)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = DecoderMLP(cfg)
+
+    def forward(self, x, cos, sin, **attn_kwargs):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, **attn_kwargs)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LanguageModel(nn.Module):
+    """Token embeddings, decoder layers, final norm and LM head (tied to the embeddings when configured)."""
+
+    def __init__(self, cfg: LanguageConfig, vocab_size: int, attn_backend: str = "auto") -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.vocab_size = vocab_size
+        self.head_dim = cfg.hidden_size // cfg.num_heads
+        self.embed_tokens = nn.Embedding(vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList([DecoderLayer(cfg, attn_backend) for _ in range(cfg.num_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def forward(
+        self,
+        inputs_embeds: torch.Tensor,
+        position_ids: torch.Tensor,
+        cu_seqlens: torch.Tensor | None = None,
+        max_seqlen: int | None = None,
+        attention_mask: torch.Tensor | None = None,
+        cache: KVCache | None = None,
+    ) -> torch.Tensor:
+        """inputs_embeds [B, T, hidden], position_ids [B, T] -> logits [B, T, vocab].
+
+        Give ``cu_seqlens``/``max_seqlen`` for a packed row, ``attention_mask`` [B, T] for padded rows, ``cache``
+        for generation; with none of them each row is one causal sequence.
+        """
+        cos, sin = rope_cos_sin(position_ids, self.head_dim, self.cfg.rope_theta)
+        pad_mask = None
+        if attention_mask is not None and cu_seqlens is None and cache is None:
+            t = attention_mask.shape[1]
+            keep = attention_mask.bool()
+            causal = torch.ones(t, t, dtype=torch.bool, device=keep.device).tril()
+            # [B, 1, T, T]: causal and key is real; a padding query also sees itself so no row is all-masked
+            pad_mask = (causal & keep[:, None, :]) | torch.eye(t, dtype=torch.bool, device=keep.device)
+            pad_mask = pad_mask[:, None]
+        x = inputs_embeds
+        for i, layer in enumerate(self.layers):
+            x = layer(
+                x, cos, sin, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, pad_mask=pad_mask, cache=cache, layer_idx=i
+            )
+        if cache is not None:
+            cache.length += inputs_embeds.shape[1]
+        return self.lm_head(self.norm(x))

@@ -1,0 +1,213 @@
+"""Load pretrained SigLIP (vision) and Llama / SmolLM2 (language) weights from transformers checkpoints.
+
+A checkpoint is a local directory written by ``save_pretrained`` or a hub id (downloaded with
+huggingface_hub; needs network, so it is opt-in by config: ``model.vision_checkpoint`` /
+``model.language_checkpoint``). The checkpoint's config is compared with ours first (sizes, heads, eps,
+RoPE base, activation), then every tensor is mapped by name and shape-checked; any mismatch fails with one
+error listing all of them. Load before wrapping the model with FSDP.
+
+Name maps (ours -> transformers):
+
+    vision    patch_embedding.*           [vision_model.]embeddings.patch_embedding.*
+              position_embedding.weight   [vision_model.]embeddings.position_embedding.weight
+              blocks.{i}.*                [vision_model.]encoder.layers.{i}.*   (same sub-names)
+              post_layernorm.*            [vision_model.]post_layernorm.*
+    language  embed_tokens.weight         model.embed_tokens.weight  (first V_ckpt rows; new tokens keep their init)
+              layers.{i}.*                model.layers.{i}.*          (same sub-names)
+              norm.weight                 model.norm.weight
+              lm_head.weight              lm_head.weight (untied heads only)
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+log = logging.getLogger(__name__)
+
+
+class CheckpointMismatchError(ValueError):
+    """A pretrained checkpoint does not fit the configured model; the message lists every difference."""
+
+
+# ----------------------------------------------------------------------------------------------------------
+# reading checkpoints
+
+
+def resolve_checkpoint(name_or_path: str) -> Path:
+    """A local directory as is, else a hub id downloaded (config + safetensors only) with huggingface_hub."""
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        return path
+    if path.exists() or name_or_path.startswith((".", "/", "~")):
+        raise FileNotFoundError(f"checkpoint {name_or_path!r} is not a directory written by save_pretrained")
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(name_or_path, allow_patterns=["*.json", "*.safetensors"]))
+    except Exception as e:
+        raise FileNotFoundError(
+            f"cannot fetch checkpoint {name_or_path!r} from the Hugging Face hub ({type(e).__name__}: {e}). "
+            "Give a local directory (save_pretrained output), check the hub id and the network, or set the "
+            "checkpoint to null for random init."
+        ) from e
+
+
+def read_state_dict(directory: Path) -> dict[str, torch.Tensor]:
+    """All tensors of a checkpoint directory (sharded or not). Only safetensors / weights-only torch files."""
+    files = sorted(directory.glob("*.safetensors"))
+    state: dict[str, torch.Tensor] = {}
+    if files:
+        from safetensors.torch import load_file
+
+        for f in files:
+            state.update(load_file(str(f)))
+    else:
+        for f in sorted(directory.glob("pytorch_model*.bin")):
+            state.update(torch.load(f, map_location="cpu", weights_only=True))
+    if not state:
+        raise FileNotFoundError(f"no *.safetensors or pytorch_model*.bin weights in {directory}")
+    return state
+
+
+def _find_prefix(state: dict[str, torch.Tensor], anchor: str, skip: tuple[str, ...] = ()) -> str:
+    """The prefix in front of ``anchor`` (e.g. 'vision_model.' before 'embeddings.patch_embedding.weight')."""
+    for key in state:
+        if key.endswith(anchor) and not key.startswith(skip):
+            return key[: -len(anchor)]
+    raise CheckpointMismatchError(f"checkpoint has no tensor named '*{anchor}'; is it the right kind of model?")
+
+
+def _check_config(kind: str, where: str, pairs: dict[str, tuple[object, object]], hint: str) -> None:
+    bad = [f"{key}: checkpoint {ckpt!r} vs config {ours!r}" for key, (ckpt, ours) in pairs.items() if ckpt != ours]
+    if bad:
+        raise CheckpointMismatchError(
+            f"{kind} checkpoint {where} does not match the model config: " + "; ".join(bad) + f". {hint}"
+        )
+
+
+def _copy(module: nn.Module, mapping: dict[str, str], state: dict[str, torch.Tensor], kind: str, where: str, rows=()):
+    """Copy state[ckpt_name] into module's parameter ours_name for every pair; names in ``rows`` may be
+    shorter in the checkpoint's first dimension (vocabulary rows); all problems are reported at once."""
+    params = dict(module.named_parameters(remove_duplicate=False))
+    problems = []
+    for ours, theirs in mapping.items():
+        if theirs not in state:
+            problems.append(f"missing tensor '{theirs}' (for {ours})")
+            continue
+        p, t = params[ours], state[theirs]
+        fits = t.shape == p.shape or (ours in rows and t.shape[1:] == p.shape[1:] and t.shape[0] <= p.shape[0])
+        if not fits:
+            problems.append(f"'{theirs}' has shape {tuple(t.shape)} but {ours} needs {tuple(p.shape)}")
+    if problems:
+        raise CheckpointMismatchError(f"{kind} checkpoint {where} does not fit the model: " + "; ".join(problems))
+    with torch.no_grad():
+        for ours, theirs in mapping.items():
+            t = state[theirs]
+            params[ours][: t.shape[0]].copy_(t.to(params[ours].dtype))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# vision
+
+
+def load_vision_weights(vision: nn.Module, name_or_path: str) -> None:
+    """Load a transformers SigLIP checkpoint (SiglipVisionModel or the full SiglipModel) into ``vision``."""
+    from transformers import AutoConfig
+
+    directory = resolve_checkpoint(name_or_path)
+    hf = AutoConfig.from_pretrained(directory)
+    hf = getattr(hf, "vision_config", hf)
+    cfg = vision.cfg
+    _check_config(
+        "vision",
+        name_or_path,
+        {
+            "image_size": (hf.image_size, cfg.image_size),
+            "patch_size": (hf.patch_size, cfg.patch_size),
+            "hidden_size": (hf.hidden_size, cfg.hidden_size),
+            "num_layers": (hf.num_hidden_layers, cfg.num_layers),
+            "num_heads": (hf.num_attention_heads, cfg.num_heads),
+            "intermediate_size": (hf.intermediate_size, cfg.intermediate_size),
+            "layer_norm_eps": (hf.layer_norm_eps, cfg.layer_norm_eps),
+            "activation": (hf.hidden_act, "gelu_pytorch_tanh"),
+        },
+        "Set model.vision.* to the checkpoint's values (configs/model_222m.yaml fits google/siglip-base-patch16-224).",
+    )
+    state = read_state_dict(directory)
+    prefix = _find_prefix(state, "embeddings.patch_embedding.weight", skip=("text_model.",))
+    mapping = {}
+    for name, _ in vision.named_parameters():
+        if name.startswith(("patch_embedding.", "position_embedding.")):
+            mapping[name] = f"{prefix}embeddings.{name}"
+        elif name.startswith("blocks."):
+            mapping[name] = f"{prefix}encoder.layers.{name[len('blocks.') :]}"
+        else:
+            mapping[name] = prefix + name
+    _copy(vision, mapping, state, "vision", name_or_path)
+    log.info("loaded vision weights from %s (%d tensors)", name_or_path, len(mapping))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# language
+
+
+def load_language_weights(language: nn.Module, name_or_path: str) -> None:
+    """Load a transformers Llama / SmolLM2 checkpoint (LlamaForCausalLM) into ``language``.
+
+    The checkpoint's vocabulary may be smaller than ours (tokens added for the VLM, rounding to 64): its rows
+    are copied and the extra rows keep their random init.
+    """
+    from transformers import AutoConfig
+
+    directory = resolve_checkpoint(name_or_path)
+    hf = AutoConfig.from_pretrained(directory)
+    hf = getattr(hf, "text_config", hf) if not hasattr(hf, "num_key_value_heads") else hf
+    cfg = language.cfg
+    rope = getattr(hf, "rope_parameters", None) or {}
+    theta = rope.get("rope_theta", getattr(hf, "rope_theta", None))
+    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+    _check_config(
+        "language",
+        name_or_path,
+        {
+            "hidden_size": (hf.hidden_size, cfg.hidden_size),
+            "num_layers": (hf.num_hidden_layers, cfg.num_layers),
+            "num_heads": (hf.num_attention_heads, cfg.num_heads),
+            "num_kv_heads": (hf.num_key_value_heads, cfg.num_kv_heads),
+            "intermediate_size": (hf.intermediate_size, cfg.intermediate_size),
+            "head_dim": (head_dim, cfg.hidden_size // cfg.num_heads),
+            "rope_theta": (float(theta), float(cfg.rope_theta)),
+            "rope_type": (rope.get("rope_type", "default"), "default"),
+            "rms_norm_eps": (hf.rms_norm_eps, cfg.rms_norm_eps),
+            "activation": (hf.hidden_act, "silu"),
+            "attention_bias": (getattr(hf, "attention_bias", False), False),
+            "mlp_bias": (getattr(hf, "mlp_bias", False), False),
+        },
+        "Set model.language.* to the checkpoint's values (configs/model_222m.yaml fits HuggingFaceTB/SmolLM2-135M).",
+    )
+    tied_ckpt = bool(getattr(hf, "tie_word_embeddings", False))
+    if cfg.tie_embeddings and not tied_ckpt:
+        raise CheckpointMismatchError(
+            f"language checkpoint {name_or_path} has a separate LM head but model.language.tie_embeddings=true; "
+            "set model.language.tie_embeddings=false"
+        )
+    state = read_state_dict(directory)
+    prefix = _find_prefix(state, "embed_tokens.weight")
+    mapping = {}
+    for name, _ in language.named_parameters():  # tied lm_head.weight is not listed (shared with embed_tokens)
+        mapping[name] = "lm_head.weight" if name == "lm_head.weight" else prefix + name
+    if "lm_head.weight" in mapping and tied_ckpt:
+        mapping["lm_head.weight"] = prefix + "embed_tokens.weight"  # untied head initialised from tied weights
+    _copy(language, mapping, state, "language", name_or_path, rows=("embed_tokens.weight", "lm_head.weight"))
+    n_ckpt = state[prefix + "embed_tokens.weight"].shape[0]
+    log.info(
+        "loaded language weights from %s (%d tensors; vocabulary rows %d of %d from the checkpoint)",
+        name_or_path,
+        len(mapping),
+        n_ckpt,
+        language.vocab_size,
+    )

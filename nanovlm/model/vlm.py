@@ -1,0 +1,216 @@
+"""NanoVLM: vision encoder -> projector -> image embeddings spliced into the decoder's token stream.
+
+Text carries ``image_token_count`` copies of the ``<image>`` token id per image; the projected embeddings of
+image i replace the i-th run of placeholders, in order of appearance. A mismatch between placeholders and
+images is an error that names the samples, never a silent misalignment.
+
+``forward(batch)`` consumes the packed batch of docs/internals.md (or a padded [B, T] batch with
+``attention_mask``) and returns logits and the mean next-token loss over ``labels != -100``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from nanovlm.config import ModelConfig, image_token_count
+from nanovlm.model.language import KVCache, LanguageModel
+from nanovlm.model.projector import Projector
+from nanovlm.model.vision import VisionEncoder
+
+IGNORE_INDEX = -100
+
+
+class NanoVLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, vocab_size: int, image_token_id: int) -> None:
+        super().__init__()
+        if not 0 <= image_token_id < vocab_size:
+            raise ValueError(f"image_token_id {image_token_id} is outside the vocabulary [0, {vocab_size})")
+        self.cfg = cfg
+        self.vocab_size = vocab_size
+        self.image_token_id = image_token_id
+        self.image_token_count = image_token_count(cfg)
+        self.vision = VisionEncoder(cfg.vision, cfg.attn_backend)
+        self.projector = Projector(cfg)
+        self.language = LanguageModel(cfg.language, vocab_size, cfg.attn_backend)
+        self.init_weights()
+
+    # ------------------------------------------------------------------------------------------------------
+    # init
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """Random init: N(0, init_std) for linear/conv/embedding weights, with the residual output projections
+        scaled by 1/sqrt(2 * layers) (GPT-2) so the residual stream does not grow with depth; zero biases, unit
+        norms. Public so that a model built on the meta device can be materialised and initialised."""
+        std = self.cfg.init_std
+        residual_out = {"out_proj", "fc2", "o_proj", "down_proj"}
+        for part, depth in ((self.vision, self.cfg.vision.num_layers), (self.language, self.cfg.language.num_layers)):
+            for name, module in part.named_modules():
+                if isinstance(module, (nn.Linear, nn.Conv2d, nn.Embedding)):
+                    scale = 1 / math.sqrt(2 * depth) if name.rsplit(".", 1)[-1] in residual_out else 1.0
+                    nn.init.normal_(module.weight, mean=0.0, std=std * scale)
+                    if getattr(module, "bias", None) is not None:
+                        nn.init.zeros_(module.bias)
+                elif isinstance(module, nn.LayerNorm):
+                    nn.init.ones_(module.weight)
+                    nn.init.zeros_(module.bias)
+                elif hasattr(module, "weight") and module.__class__.__name__ == "RMSNorm":
+                    nn.init.ones_(module.weight)
+        nn.init.normal_(self.projector.proj.weight, mean=0.0, std=std)
+
+    # ------------------------------------------------------------------------------------------------------
+    # images
+
+    def normalize(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """uint8 [n, 3, H, W] -> (x / 255 - mean) / std in the vision encoder's parameter dtype."""
+        mean = torch.tensor(self.cfg.vision.image_mean, device=pixel_values.device).view(1, 3, 1, 1)
+        std = torch.tensor(self.cfg.vision.image_std, device=pixel_values.device).view(1, 3, 1, 1)
+        x = (pixel_values.float() / 255.0 - mean) / std
+        return x.to(self.vision.patch_embedding.weight.dtype)
+
+    def encode_images(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """uint8 [n, 3, H, W] -> [n, image_token_count, language hidden]."""
+        if pixel_values.dtype != torch.uint8:
+            raise TypeError(f"pixel_values must be uint8 (normalised on the device), got {pixel_values.dtype}")
+        return self.projector(self.vision(self.normalize(pixel_values)))
+
+    def embed(self, input_ids: torch.Tensor, pixel_values: torch.Tensor | None, sample_names=None, cu_seqlens=None):
+        """Token embeddings [B, T, hidden] with the image placeholders replaced by projected image embeddings."""
+        embeds = self.language.embed_tokens(input_ids)
+        n_images = 0 if pixel_values is None else pixel_values.shape[0]
+        is_image = input_ids == self.image_token_id
+        n_placeholders = int(is_image.sum())  # one host sync per step, the price of a clear error below
+        if n_placeholders != n_images * self.image_token_count:
+            raise ValueError(self._mismatch_message(is_image, n_images, sample_names, cu_seqlens))
+        if n_images:
+            image_embeds = self.encode_images(pixel_values).to(embeds.dtype)  # [n, itc, hidden]
+            embeds = embeds.masked_scatter(is_image[..., None], image_embeds)
+        elif torch.is_grad_enabled() and any(p.requires_grad for p in self.vision.parameters()):
+            # A pack without images still runs the vision path on one blank image, scaled by zero: every
+            # parameter then takes part in the graph (gradient 0), as DDP requires of each rank at each step.
+            size = self.cfg.vision.image_size
+            blank = torch.zeros(1, 3, size, size, dtype=torch.uint8, device=input_ids.device)
+            embeds = embeds + 0.0 * self.encode_images(blank).sum().to(embeds.dtype)
+        return embeds
+
+    def _mismatch_message(self, is_image, n_images, sample_names, cu_seqlens) -> str:
+        itc = self.image_token_count
+        n = int(is_image.sum())
+        if cu_seqlens is not None:  # packed [1, T]: count per segment
+            bounds = cu_seqlens.tolist()
+            counts = [int(is_image[0, a:b].sum()) for a, b in zip(bounds[:-1], bounds[1:])]
+        else:  # padded: one sample per row
+            counts = is_image.sum(dim=1).tolist()
+        names = list(sample_names) if sample_names else []
+        names += [f"segment {i}" for i in range(len(names), len(counts))]
+        per_sample = ", ".join(
+            f"{name}: {c}" + ("" if c % itc == 0 else f" (not a multiple of {itc})")
+            for name, c in zip(names, counts)
+            if c
+        )
+        return (
+            f"image placeholder/image count mismatch: the batch has {n} <image> tokens "
+            f"({n / itc:g} images at {itc} tokens each) but pixel_values holds {n_images} images. "
+            f"Placeholder tokens per sample: {per_sample or 'none'}. Each image must appear as exactly {itc} "
+            f"placeholder tokens (image_token_count for this model config) and every image must be in pixel_values."
+        )
+
+    # ------------------------------------------------------------------------------------------------------
+    # training forward
+
+    def forward(self, batch: dict) -> dict:
+        """Packed batch ([1, T] + cu_seqlens) or padded batch ([B, T] + attention_mask) -> loss, logits, n_loss_tokens.
+
+        labels are unshifted: logits[:, :-1] predict labels[:, 1:]. loss is the mean cross-entropy over labels
+        != -100; a batch without any loss token gives a zero loss that is still part of the graph.
+        """
+        input_ids = batch["input_ids"]
+        cu_seqlens = batch.get("cu_seqlens")
+        attention_mask = batch.get("attention_mask")
+        position_ids = batch.get("position_ids")
+        if position_ids is None:
+            if cu_seqlens is not None:
+                raise ValueError("a packed batch (cu_seqlens) needs position_ids that restart at 0 for each sample")
+            if attention_mask is not None:  # right- or left-padded rows: count real tokens
+                position_ids = (attention_mask.long().cumsum(1) - 1).clamp(min=0)
+            else:
+                position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+        max_seqlen = batch.get("max_seqlen")
+        if cu_seqlens is not None and max_seqlen is None:
+            max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+        embeds = self.embed(input_ids, batch.get("pixel_values"), batch.get("sample_keys"), cu_seqlens)
+        logits = self.language(
+            embeds, position_ids, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, attention_mask=attention_mask
+        )
+        out = {"logits": logits, "loss": None, "n_loss_tokens": None}
+        labels = batch.get("labels")
+        if labels is not None:
+            target = labels[:, 1:]
+            loss_sum = F.cross_entropy(
+                logits[:, :-1].reshape(-1, logits.shape[-1]).float(),
+                target.reshape(-1),
+                ignore_index=IGNORE_INDEX,
+                reduction="sum",
+            )
+            n_loss_tokens = (target != IGNORE_INDEX).sum()
+            out["loss"] = loss_sum / n_loss_tokens.clamp(min=1)  # no host sync; 0 (with a graph) when n == 0
+            out["n_loss_tokens"] = n_loss_tokens
+        return out
+
+    # ------------------------------------------------------------------------------------------------------
+    # generation
+
+    @torch.inference_mode()
+    def generate(
+        self,
+        input_ids: torch.Tensor,
+        pixel_values: torch.Tensor | None = None,
+        max_new_tokens: int = 32,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        eos_token_id: int | None = None,
+        generator: torch.Generator | None = None,
+    ) -> torch.Tensor:
+        """Decode one sample with a KV cache. input_ids [1, L] (placeholders expanded, as in training).
+
+        temperature 0 = greedy; otherwise sampling from softmax(logits / temperature) restricted to the smallest
+        set of tokens whose probability reaches top_p. Returns only the new tokens, [1, L_new] with
+        L_new <= max_new_tokens; decoding stops after ``eos_token_id`` (which is included).
+        """
+        if input_ids.dim() != 2 or input_ids.shape[0] != 1:
+            raise ValueError(f"generate decodes one sample: input_ids must be [1, L], got {tuple(input_ids.shape)}")
+        device = input_ids.device
+        prompt_len = input_ids.shape[1]
+        embeds = self.embed(input_ids, pixel_values)
+        cache = KVCache(self.cfg.language, prompt_len + max_new_tokens, device, embeds.dtype)
+        positions = torch.arange(prompt_len, device=device)[None]
+        logits = self.language(embeds, positions, cache=cache)[:, -1]
+        new_tokens = []
+        for step in range(max_new_tokens):
+            token = self._sample(logits.float(), temperature, top_p, generator)  # [1]
+            new_tokens.append(token)
+            if (eos_token_id is not None and int(token) == eos_token_id) or step == max_new_tokens - 1:
+                break
+            position = torch.full((1, 1), prompt_len + step, device=device)
+            logits = self.language(self.language.embed_tokens(token[None]), position, cache=cache)[:, -1]
+        if not new_tokens:
+            return input_ids.new_zeros(1, 0)
+        return torch.stack(new_tokens, dim=1)
+
+    @staticmethod
+    def _sample(logits: torch.Tensor, temperature: float, top_p: float, generator) -> torch.Tensor:
+        """logits [1, V] -> token [1]."""
+        if temperature <= 0:
+            return logits.argmax(dim=-1)
+        probs = torch.softmax(logits / temperature, dim=-1)
+        if top_p < 1.0:
+            sorted_probs, order = probs.sort(dim=-1, descending=True)
+            # drop a token when the tokens ranked above it already reach top_p (the top token always stays)
+            drop = sorted_probs.cumsum(-1) - sorted_probs >= top_p
+            sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+            probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
+        return torch.multinomial(probs, 1, generator=generator)[:, 0]

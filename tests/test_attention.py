@@ -1,0 +1,94 @@
+"""Varlen attention: the sdpa backend equals a naive per-segment reference; backend selection and errors."""
+
+import logging
+import math
+
+import pytest
+import torch
+
+from nanovlm.model.attention import BackendUnavailableError, _logged, attention, resolve_backend
+
+
+def naive_attention(q, k, v, cu_seqlens, causal):
+    """Explicit softmax(q k^T / sqrt(d)) v per segment, kv heads repeated for GQA, fp64 accumulation."""
+    out = torch.empty_like(q)
+    groups = q.shape[1] // k.shape[1]
+    bounds = cu_seqlens.tolist()
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        qs = q[a:b].double().transpose(0, 1)  # [H, L, D]
+        ks = k[a:b].double().repeat_interleave(groups, dim=1).transpose(0, 1)
+        vs = v[a:b].double().repeat_interleave(groups, dim=1).transpose(0, 1)
+        scores = qs @ ks.transpose(1, 2) / math.sqrt(q.shape[-1])
+        if causal:
+            length = b - a
+            scores = scores.masked_fill(~torch.ones(length, length, dtype=torch.bool).tril(), float("-inf"))
+        out[a:b] = (scores.softmax(-1) @ vs).transpose(0, 1).to(q.dtype)
+    return out
+
+
+def make_inputs(lengths, hq, hkv, d, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    total = sum(lengths)
+    q, k, v = (torch.randn(total, h, d, generator=g, requires_grad=True) for h in (hq, hkv, hkv))
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    return q, k, v, cu, max(lengths)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize(
+    "lengths,hq,hkv",
+    [([5, 17, 1, 9], 4, 4), ([5, 17, 1, 9], 6, 2), ([8, 8, 8], 4, 2), ([23], 3, 1)],
+    ids=["mha-ragged", "gqa-ragged", "equal-segments", "single"],
+)
+def test_sdpa_matches_naive_forward_and_backward(lengths, hq, hkv, causal):
+    q, k, v, cu, max_len = make_inputs(lengths, hq, hkv, 16)
+    grad_out = torch.randn(sum(lengths), hq, 16, generator=torch.Generator().manual_seed(1))
+    out = attention(q, k, v, cu, max_len, causal=causal, backend="sdpa")
+    grads = torch.autograd.grad(out, (q, k, v), grad_out)
+    ref = naive_attention(q, k, v, cu, causal)
+    ref_grads = torch.autograd.grad(ref, (q, k, v), grad_out)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    for got, want in zip(grads, ref_grads):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_segments_do_not_see_each_other():
+    """Changing one segment's keys/values leaves every other segment's output bit-identical."""
+    q, k, v, cu, max_len = make_inputs([6, 10, 4], 4, 2, 8)
+    base = attention(q, k, v, cu, max_len, causal=True, backend="sdpa")
+    k2, v2 = k.detach().clone(), v.detach().clone()
+    k2[6:16] += 3.0
+    v2[6:16] -= 2.0
+    changed = attention(q, k2, v2, cu, max_len, causal=True, backend="sdpa")
+    assert torch.equal(base[:6], changed[:6]) and torch.equal(base[16:], changed[16:])
+    assert not torch.allclose(base[6:16], changed[6:16])
+
+
+def test_auto_on_cpu_is_sdpa_and_logged_once(caplog):
+    _logged.clear()
+    with caplog.at_level(logging.INFO, logger="nanovlm.model.attention"):
+        for _ in range(3):
+            assert resolve_backend("auto", "cpu", torch.float32) == "sdpa"
+            assert resolve_backend("auto", torch.device("cpu"), torch.bfloat16) == "sdpa"
+    messages = [r.getMessage() for r in caplog.records]
+    assert len(messages) == 2, messages
+    assert all("attention backend: sdpa" in m for m in messages)
+
+
+@pytest.mark.parametrize("name", ["flash_attn", "torch_varlen"])
+def test_unavailable_backend_says_why_and_how_to_fix(name):
+    q, k, v, cu, max_len = make_inputs([4, 4], 2, 2, 8)
+    with pytest.raises(BackendUnavailableError) as e:
+        attention(q, k, v, cu, max_len, causal=True, backend=name)
+    msg = str(e.value)
+    assert name in msg and "needs a CUDA device" in msg and "attn_backend=sdpa" in msg
+
+
+def test_unknown_backend_and_bad_shapes():
+    q, k, v, cu, max_len = make_inputs([4], 3, 2, 8)
+    with pytest.raises(ValueError, match="unknown attention backend 'flash'"):
+        resolve_backend("flash", "cpu", torch.float32)
+    with pytest.raises(ValueError, match="multiple of kv heads"):
+        attention(q, k, v, cu, max_len, causal=True, backend="sdpa")
+    with pytest.raises(ValueError, match="THD"):
+        attention(q[None], k[None], v[None], cu, max_len, causal=True, backend="sdpa")

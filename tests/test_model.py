@@ -1,0 +1,252 @@
+"""NanoVLM on CPU: packed == alone (logits and gradients), padded baseline, splicing errors, generation, counts."""
+
+import copy
+
+import pytest
+import torch
+
+from nanovlm.config import LanguageConfig, ModelConfig, ProjectorConfig, VisionConfig
+from nanovlm.model import NanoVLM, build_model, flops_per_image, flops_per_token, num_parameters
+from nanovlm.model.projector import pixel_shuffle
+
+VOCAB, IMAGE_ID, PAD_ID = 64, 5, 0
+ITC = 4  # (16 / 4 / 2)^2 image tokens per image
+
+
+def tiny_cfg(**language) -> ModelConfig:
+    return ModelConfig(
+        vision=VisionConfig(
+            image_size=16, patch_size=4, hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64
+        ),
+        projector=ProjectorConfig(pixel_shuffle_factor=2),
+        language=LanguageConfig(
+            hidden_size=48, num_layers=2, num_heads=6, num_kv_heads=2, intermediate_size=96, **language
+        ),
+        attn_backend="sdpa",
+        init_std=0.1,  # larger than default so that logits differ clearly between tokens
+    )
+
+
+def make_model(**language) -> NanoVLM:
+    torch.manual_seed(0)
+    return NanoVLM(tiny_cfg(**language), VOCAB, IMAGE_ID)
+
+
+def make_sample(key, length, image_starts, g):
+    ids = torch.randint(10, VOCAB, (length,), generator=g)
+    for s in image_starts:
+        ids[s : s + ITC] = IMAGE_ID
+    labels = ids.clone()
+    labels[ids == IMAGE_ID] = -100
+    labels[: length // 3] = -100  # a prompt without loss
+    labels[0] = -100
+    pixels = torch.randint(0, 256, (len(image_starts), 3, 16, 16), dtype=torch.uint8, generator=g)
+    return {"key": key, "input_ids": ids, "labels": labels, "pixel_values": pixels}
+
+
+def samples():
+    g = torch.Generator().manual_seed(1)
+    return [
+        make_sample("a", 11, [2], g),
+        make_sample("b", 7, [], g),
+        make_sample("c", 15, [1, 8], g),
+        make_sample("d", 9, [0], g),
+    ]
+
+
+def pack(items, pad_tail=3):
+    """The packed batch of docs/internals.md, with a padding tail as its own last segment."""
+    ids = [s["input_ids"] for s in items] + [torch.full((pad_tail,), PAD_ID)]
+    labels = [s["labels"] for s in items] + [torch.full((pad_tail,), -100)]
+    lengths = [len(x) for x in ids]
+    return {
+        "input_ids": torch.cat(ids)[None],
+        "labels": torch.cat(labels)[None],
+        "position_ids": torch.cat([torch.arange(n) for n in lengths])[None],
+        "cu_seqlens": torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32),
+        "max_seqlen": max(lengths),
+        "pixel_values": torch.cat([s["pixel_values"] for s in items]),
+        "sample_keys": [s["key"] for s in items],
+    }
+
+
+def alone(s):
+    return pack([s], pad_tail=0) | {"cu_seqlens": torch.tensor([0, len(s["input_ids"])], dtype=torch.int32)}
+
+
+def grads(model):
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def test_packed_equals_alone_logits_and_gradients():
+    model, items = make_model(), samples()
+    packed = pack(items)
+    out = model(packed)
+    (out["loss"] * out["n_loss_tokens"]).backward()  # sum of token losses
+    packed_grads = grads(model)
+    model.zero_grad()
+
+    start, total_tokens = 0, 0
+    for s in items:
+        o = model(alone(s))
+        n = len(s["input_ids"])
+        torch.testing.assert_close(out["logits"][0, start : start + n], o["logits"][0], atol=2e-5, rtol=1e-5)
+        (o["loss"] * o["n_loss_tokens"]).backward()  # accumulates over samples
+        total_tokens += int(o["n_loss_tokens"])
+        start += n
+    assert int(out["n_loss_tokens"]) == total_tokens
+    alone_grads = grads(model)
+    assert packed_grads.keys() == alone_grads.keys() == {n for n, _ in model.named_parameters()}
+    for name in packed_grads:
+        torch.testing.assert_close(packed_grads[name], alone_grads[name], atol=2e-5, rtol=1e-4, msg=name)
+
+
+def test_packed_loss_is_mean_over_loss_tokens():
+    model, items = make_model(), samples()
+    packed = pack(items)
+    with torch.no_grad():
+        out = model(packed)
+        logits, labels = out["logits"][0, :-1], packed["labels"][0, 1:]
+        keep = labels != -100
+        want = torch.nn.functional.cross_entropy(logits[keep], labels[keep])
+    assert int(out["n_loss_tokens"]) == int(keep.sum())
+    torch.testing.assert_close(out["loss"], want)
+
+
+def test_padded_batch_equals_alone():
+    model, items = make_model(), samples()
+    width = max(len(s["input_ids"]) for s in items)
+    ids = torch.full((len(items), width), PAD_ID)
+    mask = torch.zeros(len(items), width, dtype=torch.long)
+    for i, s in enumerate(items):
+        ids[i, : len(s["input_ids"])] = s["input_ids"]
+        mask[i, : len(s["input_ids"])] = 1
+    batch = {"input_ids": ids, "attention_mask": mask, "pixel_values": torch.cat([s["pixel_values"] for s in items])}
+    with torch.no_grad():
+        out = model(batch)
+        for i, s in enumerate(items):
+            n = len(s["input_ids"])
+            torch.testing.assert_close(out["logits"][i, :n], model(alone(s))["logits"][0], atol=2e-5, rtol=1e-5)
+
+
+def test_placeholder_image_mismatch_names_the_sample():
+    model, items = make_model(), samples()
+    packed = pack(items)
+    packed["pixel_values"] = packed["pixel_values"][:-1]  # one image fewer than placeholders
+    with pytest.raises(ValueError, match=r"pixel_values holds 3 images") as e:
+        model(packed)
+    assert "a: 4" in str(e.value) and "c: 8" in str(e.value)
+
+    broken = samples()
+    broken[1]["input_ids"][3] = IMAGE_ID  # a stray placeholder in sample "b"
+    with pytest.raises(ValueError, match=r"b: 1 \(not a multiple of 4\)"):
+        model(pack(broken))
+
+
+def test_no_loss_tokens_gives_zero_loss_with_graph_and_every_parameter_gets_a_gradient():
+    model = make_model()
+    s = samples()[1]  # no image: the vision path still takes part (blank image x 0)
+    batch = alone(s) | {"labels": torch.full((1, len(s["input_ids"])), -100)}
+    out = model(batch)
+    assert out["loss"].item() == 0.0 and int(out["n_loss_tokens"]) == 0 and out["loss"].requires_grad
+    out["loss"].backward()
+    missing = [n for n, p in model.named_parameters() if p.grad is None]
+    assert missing == []
+
+
+def test_uint8_pixels_are_required():
+    model = make_model()
+    batch = alone(samples()[0])
+    batch["pixel_values"] = batch["pixel_values"].float()
+    with pytest.raises(TypeError, match="uint8"):
+        model(batch)
+
+
+def greedy_without_cache(model, ids, pixels, steps):
+    out = []
+    for _ in range(steps):
+        logits = model({"input_ids": ids, "pixel_values": pixels})["logits"]
+        token = logits[0, -1].argmax()
+        out.append(int(token))
+        ids = torch.cat([ids, token.view(1, 1)], dim=1)
+    return out
+
+
+def test_generate_with_kv_cache_equals_full_recompute():
+    model = make_model().eval()
+    s = samples()[2]
+    ids, pixels = s["input_ids"][None], s["pixel_values"]
+    with torch.no_grad():
+        want = greedy_without_cache(model, ids, pixels, 6)
+    got = model.generate(ids, pixels, max_new_tokens=6)
+    assert got.shape == (1, 6) and got[0].tolist() == want
+    # eos stops decoding and is included
+    stopped = model.generate(ids, pixels, max_new_tokens=6, eos_token_id=want[2])
+    assert stopped[0].tolist() == want[: want.index(want[2]) + 1]
+    # top_p this small keeps only the most likely token: sampling equals greedy
+    nucleus = model.generate(ids, pixels, max_new_tokens=6, temperature=1.0, top_p=1e-6)
+    assert nucleus[0].tolist() == want
+    # sampling is reproducible with a generator
+    a = model.generate(ids, pixels, 6, temperature=1.0, generator=torch.Generator().manual_seed(3))
+    b = model.generate(ids, pixels, 6, temperature=1.0, generator=torch.Generator().manual_seed(3))
+    assert torch.equal(a, b)
+
+
+def test_pixel_shuffle_groups_neighbouring_patches():
+    x = torch.arange(16.0).view(1, 16, 1)  # a 4x4 grid, value = patch index
+    y = pixel_shuffle(x, 2)
+    assert y.shape == (1, 4, 4)
+    assert y[0].tolist() == [[0, 1, 4, 5], [2, 3, 6, 7], [8, 9, 12, 13], [10, 11, 14, 15]]
+
+
+def test_num_parameters_counts_tied_weights_once():
+    tied, untied = make_model(), make_model(tie_embeddings=False)
+    counts = num_parameters(tied)
+    assert counts["total"] == sum(p.numel() for p in tied.parameters())
+    assert counts["total"] == counts["vision"] + counts["projector"] + counts["language"]
+    assert num_parameters(untied)["language"] - counts["language"] == VOCAB * 48
+    assert tied.language.lm_head.weight is tied.language.embed_tokens.weight
+
+
+def test_flops_per_token_matches_the_model_structure():
+    cfg, model = tiny_cfg(), make_model()
+    lang_matmul = sum(m.weight.numel() for m in model.language.layers.modules() if isinstance(m, torch.nn.Linear))
+    lang_matmul += model.language.lm_head.weight.numel()
+    seq = 100
+    attn = 6 * cfg.language.num_layers * cfg.language.hidden_size * seq
+    assert flops_per_token(cfg, VOCAB, seq) == 6 * lang_matmul + attn
+
+    vis_matmul = sum(
+        m.weight.numel() for m in model.vision.modules() if isinstance(m, (torch.nn.Linear, torch.nn.Conv2d))
+    )
+    patches = 16
+    per_image = patches * (6 * vis_matmul + 12 * cfg.vision.num_layers * cfg.vision.hidden_size * patches)
+    per_image += 6 * model.projector.proj.weight.numel() * ITC
+    assert flops_per_image(cfg) == per_image
+    assert flops_per_token(cfg, VOCAB, seq, images_per_token=0.25) == 6 * lang_matmul + attn + 0.25 * per_image
+
+
+def make_tokenizer(extra_tokens):
+    """A real fast tokenizer (word level, 70 words) with the given special tokens added."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, **{f"w{i}": i + 1 for i in range(69)}}
+    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(WordLevel(vocab, unk_token="<unk>")), unk_token="<unk>")
+    tok.add_special_tokens({"additional_special_tokens": extra_tokens})
+    return tok
+
+
+def test_build_model_resolves_vocab_and_image_token():
+    tok = make_tokenizer(["<image>", "<|im_start|>"])  # 72 tokens -> vocabulary 128
+    cfg = tiny_cfg()
+    model = build_model(cfg, tok)
+    assert model.vocab_size == 128 and model.language.embed_tokens.weight.shape[0] == 128
+    assert model.image_token_id == tok.convert_tokens_to_ids("<image>") == 70
+    with pytest.raises(ValueError, match="no <image> token"):
+        build_model(cfg, make_tokenizer(["<|im_start|>"]))
+    small = copy.deepcopy(cfg)
+    small.language.vocab_size = 64
+    with pytest.raises(ValueError, match="smaller than the tokenizer's 72 tokens"):
+        build_model(small, tok)
