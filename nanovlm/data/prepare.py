@@ -1,0 +1,273 @@
+"""Writing datasets: Records -> validated samples -> deterministic tar shards + index.json.
+
+Every dataset of the project (``prepare_data``, the demo data, the tests' synthetic data) is written here, so
+every index's token lengths come from ``SampleProcessor.text_tokens`` and every shard has the same layout:
+
+* one WebDataset key per sample: ``0.jpg``, ``1.png``, ... (the real format of the bytes, sniffed) + ``json``;
+* deterministic tar metadata (mtime 0, uid/gid 0, fixed user/group names and mode), samples in input order,
+  so the same input gives byte-identical shards;
+* each shard is written to a hidden temp name and renamed when complete: a crash never leaves a half-written
+  file that looks like a shard. ``index.json`` is written last, also atomically.
+
+``prepare_jsonl_line`` and ``index_tar_sample`` are the per-sample work of ``prepare_data`` (run in worker
+processes); both return a PreparedSample or raise SampleError with a reason.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import re
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import webdataset as wds
+from PIL import Image
+
+from nanovlm.data.format import Record, SampleError, check_key, members_to_record, record_to_json, validate_messages
+from nanovlm.data.index import DatasetIndex, ShardIndex, scan_tar
+from nanovlm.data.processing import SampleProcessor, to_rgb
+from nanovlm.data.tokenizer import tokenizer_fingerprint
+
+SHARD_PATTERN = "shard-{:06d}.tar"
+_SHARD_RE = re.compile(r"^shard-\d{6}\.tar$")
+# PIL format -> member suffix. Other formats are re-encoded as PNG so every reader can decode them.
+_FORMAT_EXT = {"JPEG": "jpg", "MPO": "jpg", "PNG": "png", "WEBP": "webp", "GIF": "gif", "BMP": "bmp", "TIFF": "tif"}
+_ROTATED = (5, 6, 7, 8)  # EXIF orientations that swap width and height
+
+
+@dataclass
+class PreparedSample:
+    """A validated sample ready to write: tar members (suffix -> bytes) and its index fields."""
+
+    key: str
+    members: dict[str, bytes]
+    text_tokens: int
+    image_sizes: list[list[int]]  # per image [width, height], upright
+
+
+def inspect_image(data: bytes, max_pixels: int = 0, key: str = "") -> tuple[str, list[int], bytes]:
+    """Check that image bytes decode completely; return (member suffix, [width, height] upright, bytes).
+
+    Decodes every byte (JPEG at 1/8 scale, which still reads the whole file) so truncated or corrupt files
+    are caught here, at preparation time, not in the middle of training.
+    """
+    try:
+        img = Image.open(io.BytesIO(data))
+        w, h = img.size
+        fmt = img.format
+        if max_pixels > 0 and w * h > max_pixels:
+            raise SampleError("image_too_large", key, f"{w}x{h} > max_image_pixels={max_pixels}")
+        try:
+            orientation = img.getexif().get(0x0112)
+        except Exception:
+            orientation = None
+        if fmt == "JPEG":
+            img.draft(img.mode, (max(1, w // 8), max(1, h // 8)))
+        img.load()
+    except SampleError:
+        raise
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
+        raise SampleError("image_too_large", key, str(e)) from None
+    except Exception as e:
+        raise SampleError("unreadable_image", key, f"{type(e).__name__}: {e}") from None
+    if orientation in _ROTATED:
+        w, h = h, w
+    ext = _FORMAT_EXT.get(fmt or "")
+    if ext is None:  # e.g. PPM, ICO, TGA: store as PNG so any reader decodes it
+        buf = io.BytesIO()
+        to_rgb(img).save(buf, format="PNG")
+        ext, data = "png", buf.getvalue()
+    return ext, [w, h], data
+
+
+def prepare_record(record: Record, processor: SampleProcessor, max_image_pixels: int = 0) -> PreparedSample:
+    """Validate a Record (key, conversation, every image) and count its tokens. Raises SampleError."""
+    check_key(record.key)
+    messages = validate_messages(record.messages, len(record.images), record.key)
+    members: dict[str, bytes] = {}
+    sizes = []
+    for i, data in enumerate(record.images):
+        ext, size, data = inspect_image(data, max_image_pixels, record.key)
+        members[f"{i}.{ext}"] = data
+        sizes.append(size)
+    clean = Record(record.key, messages, record.images, record.extra)
+    members["json"] = record_to_json(clean)
+    return PreparedSample(record.key, members, processor.text_tokens(messages), sizes)
+
+
+class ShardWriter:
+    """Append PreparedSamples; writes ``shard-NNNNNN.tar`` files atomically and the index on ``close``."""
+
+    def __init__(
+        self,
+        out_dir: str | os.PathLike,
+        fingerprint: str,
+        image_token_count: int,
+        samples_per_shard: int = 1000,
+        created_by: str = "write_dataset",
+    ):
+        if samples_per_shard <= 0:
+            raise ValueError("samples_per_shard must be positive")
+        self.out_dir = Path(out_dir)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.fingerprint = fingerprint
+        self.image_token_count = image_token_count
+        self.samples_per_shard = samples_per_shard
+        self.created_by = created_by
+        self.shards: list[ShardIndex] = []
+        self._seen: set[str] = set()
+        self._pending: list[PreparedSample] = []  # index fields of the open shard
+        self._writer: wds.TarWriter | None = None
+        self._tmp: Path | None = None
+
+    def add(self, sample: PreparedSample) -> None:
+        if sample.key in self._seen:
+            raise SampleError("duplicate_key", sample.key, "keys must be unique within a dataset")
+        self._seen.add(sample.key)
+        if self._writer is None:
+            name = SHARD_PATTERN.format(len(self.shards))
+            self._tmp = self.out_dir / f".{name}.tmp"
+            self._writer = wds.TarWriter(
+                str(self._tmp), encoder=False, mtime=0.0, user="nanovlm", group="nanovlm", mode=0o644
+            )
+        self._writer.write({"__key__": sample.key, **sample.members})
+        self._pending.append(
+            PreparedSample(sample.key, {}, sample.text_tokens, sample.image_sizes)  # drop bytes, keep fields
+        )
+        if len(self._pending) >= self.samples_per_shard:
+            self._finish_shard()
+
+    def _finish_shard(self) -> None:
+        assert self._writer is not None and self._tmp is not None
+        self._writer.close()
+        name = SHARD_PATTERN.format(len(self.shards))
+        scanned = list(scan_tar(self._tmp))
+        keys = [s.key for s in self._pending]
+        if [s.key for s in scanned] != keys:
+            raise RuntimeError(f"{name}: written keys do not read back in order (a key with a dot?)")
+        os.replace(self._tmp, self.out_dir / name)
+        self.shards.append(
+            ShardIndex(
+                name=name,
+                size_bytes=(self.out_dir / name).stat().st_size,
+                num_samples=len(keys),
+                keys=keys,
+                offsets=[s.offset for s in scanned],
+                nbytes=[s.nbytes for s in scanned],
+                text_tokens=[s.text_tokens for s in self._pending],
+                n_images=[len(s.image_sizes) for s in self._pending],
+                image_sizes=[s.image_sizes for s in self._pending],
+            )
+        )
+        self._writer, self._tmp, self._pending = None, None, []
+
+    def close(self) -> DatasetIndex:
+        """Finish the last shard, remove stale shards of an earlier run, write index.json."""
+        if self._writer is not None:
+            self._finish_shard()
+        keep = {s.name for s in self.shards}
+        for f in self.out_dir.iterdir():
+            if (_SHARD_RE.match(f.name) and f.name not in keep) or (
+                f.name.startswith(".shard-") and f.suffix == ".tmp"
+            ):
+                f.unlink()
+        index = DatasetIndex(self.out_dir, self.fingerprint, self.image_token_count, self.created_by, self.shards)
+        index.save()
+        return index
+
+    def abort(self) -> None:
+        """Drop the open shard's temp file (on error): nothing half-written remains."""
+        if self._writer is not None:
+            self._writer.close()
+        if self._tmp is not None and self._tmp.exists():
+            self._tmp.unlink()
+        self._writer, self._tmp, self._pending = None, None, []
+
+
+def write_dataset(
+    records: Iterable[Record],
+    out_dir: str | os.PathLike,
+    tokenizer,
+    image_token_count: int,
+    samples_per_shard: int = 1000,
+    max_image_pixels: int = 64_000_000,
+    on_skip: Callable[[SampleError], None] | None = None,
+    created_by: str = "write_dataset",
+) -> DatasetIndex:
+    """Validate and write ``records`` as shards + index.json in ``out_dir``; return the index.
+
+    A bad record raises SampleError, unless ``on_skip`` is given: then it is called with the error and the
+    record is left out (the caller counts and logs it).
+    """
+    processor = SampleProcessor(tokenizer, image_size=1, image_token_count=image_token_count)
+    writer = ShardWriter(out_dir, tokenizer_fingerprint(tokenizer), image_token_count, samples_per_shard, created_by)
+    try:
+        for record in records:
+            try:
+                writer.add(prepare_record(record, processor, max_image_pixels))
+            except SampleError as e:
+                if on_skip is None:
+                    raise
+                on_skip(e)
+    except BaseException:
+        writer.abort()
+        raise
+    return writer.close()
+
+
+# ----------------------------------------------------------------------------------------------------------
+# per-sample work of prepare_data (runs in worker processes)
+
+
+def resolve_image_path(ref: str, image_root: Path, allow_absolute: bool = False, key: str = "") -> Path:
+    """An image reference from a JSONL line -> a path inside ``image_root``.
+
+    Refuses (reason ``unsafe_path``) references that escape the root (``../``, symlinks out) and absolute
+    paths unless ``allow_absolute``; ``missing_image`` when the file does not exist.
+    """
+    ref_path = Path(ref)
+    if ref_path.is_absolute():
+        if not allow_absolute:
+            raise SampleError("unsafe_path", key, f"absolute image path {ref!r} (use --allow-absolute-paths)")
+        path = ref_path
+    else:
+        root = image_root.resolve()
+        path = (root / ref_path).resolve()
+        if not path.is_relative_to(root):
+            raise SampleError("unsafe_path", key, f"image path {ref!r} escapes the image root {image_root}")
+    if not path.is_file():
+        raise SampleError("missing_image", key, f"{ref} (looked for {path})")
+    return path
+
+
+def prepare_jsonl_line(
+    line: bytes,
+    key: str,
+    image_root: Path,
+    processor: SampleProcessor,
+    max_image_pixels: int,
+    allow_absolute: bool = False,
+) -> PreparedSample:
+    """One JSONL line (any supported format) -> PreparedSample, reading its images from ``image_root``."""
+    from nanovlm.data.format import parse_jsonl_line
+
+    if not line.strip():
+        raise SampleError("empty_line", key)
+    messages, refs, extra = parse_jsonl_line(line, key)
+    images = []
+    for ref in refs:
+        path = resolve_image_path(ref, image_root, allow_absolute, key)
+        try:
+            images.append(path.read_bytes())
+        except OSError as e:
+            raise SampleError("unreadable_image", key, f"{ref}: {e}") from None
+    return prepare_record(Record(key, messages, images, extra), processor, max_image_pixels)
+
+
+def index_tar_sample(members: dict[str, bytes], key: str, processor: SampleProcessor, max_image_pixels: int):
+    """One sample of an existing shard -> (text_tokens, image_sizes), validating it as training will read it."""
+    record = members_to_record(members, key)
+    sizes = [inspect_image(data, max_image_pixels, key)[1] for data in record.images]
+    return processor.text_tokens(record.messages), sizes

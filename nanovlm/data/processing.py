@@ -1,0 +1,257 @@
+"""Turn one Record into model inputs: decoded, resized images and ChatML token ids with loss labels.
+
+The token sequence of a conversation is built piecewise, turn by turn::
+
+    <|im_start|> role\\n  content  <|im_end|> \\n
+
+with each ``<image>`` in a content replaced by ``image_token_count`` copies of the ``<image>`` id. Building it
+piecewise (instead of tokenizing one rendered string) places the loss labels exactly: labels are the token ids
+on an assistant turn's content and its ``<|im_end|>`` (so the model learns to stop) and -100 everywhere else.
+Text inside a content is tokenized with special-token matching off, so a literal ``<|im_end|>`` typed by a
+user is plain text, never a turn boundary. The same piecewise encoding gives the index's ``text_tokens`` and
+the generation prompt, so training, the index and generation agree token for token.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from PIL import Image, ImageOps
+
+from nanovlm.data.format import IMAGE_PLACEHOLDER, Record, SampleError
+from nanovlm.data.tokenizer import IM_END, IM_START, IMAGE_TOKEN
+
+IGNORE_INDEX = -100
+LETTERBOX_FILL = (128, 128, 128)  # ~the normalisation mean, so padding is ~0 after normalisation
+
+
+# ----------------------------------------------------------------------------------------------------------
+# images
+
+
+def decode_image(data: bytes, max_pixels: int = 0, draft_size: int = 0, key: str = "") -> Image.Image:
+    """Bytes -> fully decoded RGB PIL image, upright (EXIF orientation applied). Format is sniffed from content.
+
+    ``max_pixels`` > 0 rejects larger images before decoding pixels (decompression-bomb guard).
+    ``draft_size`` > 0 lets JPEG decode at a reduced scale that still covers draft_size x draft_size (fast).
+    Raises SampleError ``image_too_large`` or ``unreadable_image`` (also for truncated files).
+    """
+    try:
+        img = Image.open(io.BytesIO(data))
+        w, h = img.size
+        if max_pixels > 0 and w * h > max_pixels:
+            raise SampleError("image_too_large", key, f"{w}x{h} > max_image_pixels={max_pixels}")
+        if draft_size > 0 and img.format == "JPEG":
+            img.draft("RGB", (draft_size, draft_size))
+        img.load()  # decodes everything: truncated or corrupt data fails here, not later
+    except SampleError:
+        raise
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
+        raise SampleError("image_too_large", key, str(e)) from None
+    except Exception as e:  # PIL raises many types (OSError, ValueError, SyntaxError, struct.error, ...)
+        raise SampleError("unreadable_image", key, f"{type(e).__name__}: {e}") from None
+    with contextlib.suppress(Exception):  # a corrupt EXIF block must not cost an otherwise readable image
+        img = ImageOps.exif_transpose(img)
+    return to_rgb(img)
+
+
+def to_rgb(img: Image.Image) -> Image.Image:
+    """Any PIL mode -> RGB. Transparency is composited over white; 16-bit and float greys are scaled to 8 bit."""
+    if img.mode == "RGB":
+        return img
+    if img.mode == "P":
+        img = img.convert("RGBA") if "transparency" in img.info else img.convert("RGB")
+    if img.mode.startswith("I") or img.mode == "F":
+        arr = np.asarray(img, dtype=np.float64)
+        if arr.max(initial=0) > 255:  # 16-bit data
+            arr = arr / 257.0
+        img = Image.fromarray(np.clip(np.rint(arr), 0, 255).astype(np.uint8), mode="L")
+    if img.mode in ("RGBA", "LA", "PA", "RGBa", "La"):
+        rgba = img.convert("RGBA")
+        background = Image.new("RGB", rgba.size, (255, 255, 255))
+        background.paste(rgba, mask=rgba.getchannel("A"))
+        return background
+    return img.convert("RGB")
+
+
+def resize_image(img: Image.Image, size: int, mode: str = "squash") -> Image.Image:
+    """Resize to size x size: ``squash`` ignores the aspect ratio; ``letterbox`` keeps it and pads with grey."""
+    if mode == "squash":
+        return img if img.size == (size, size) else img.resize((size, size), Image.Resampling.BICUBIC)
+    if mode == "letterbox":
+        w, h = img.size
+        scale = size / max(w, h)
+        nw, nh = max(1, round(w * scale)), max(1, round(h * scale))
+        canvas = Image.new("RGB", (size, size), LETTERBOX_FILL)
+        canvas.paste(img.resize((nw, nh), Image.Resampling.BICUBIC), ((size - nw) // 2, (size - nh) // 2))
+        return canvas
+    raise ValueError(f"unknown resize mode {mode!r}; choose squash or letterbox")
+
+
+def image_to_tensor(img: Image.Image) -> torch.Tensor:
+    """RGB PIL image -> uint8 tensor [3, H, W] (normalisation happens on the device, in the model)."""
+    arr = np.asarray(img, dtype=np.uint8)  # [H, W, 3]
+    return torch.from_numpy(arr.copy()).permute(2, 0, 1).contiguous()
+
+
+# ----------------------------------------------------------------------------------------------------------
+# text
+
+
+@dataclass
+class ProcessedSample:
+    """Model inputs of one sample. ``labels`` are unshifted (the model shifts inside the loss)."""
+
+    key: str
+    input_ids: torch.Tensor  # LongTensor [L]
+    labels: torch.Tensor  # LongTensor [L], -100 except on assistant content and its <|im_end|>
+    pixel_values: torch.Tensor  # uint8 [n_img, 3, H, W]
+    truncated: bool = False
+
+
+class SampleProcessor:
+    """Decode images and tokenize a conversation with ChatML, loss labels on assistant turns only."""
+
+    def __init__(
+        self,
+        tokenizer,
+        image_size: int,
+        image_token_count: int,
+        resize: str = "squash",
+        max_image_pixels: int = 64_000_000,
+    ):
+        if resize not in ("squash", "letterbox"):
+            raise ValueError(f"unknown resize mode {resize!r}; choose squash or letterbox")
+        from tokenizers import Tokenizer
+
+        self.tokenizer = tokenizer
+        self.image_size = image_size
+        self.image_token_count = image_token_count
+        self.resize = resize
+        self.max_image_pixels = max_image_pixels
+        # A private copy of the fast tokenizer with special-token matching off: content text is plain text.
+        self._text = Tokenizer.from_str(tokenizer.backend_tokenizer.to_str())
+        self._text.encode_special_tokens = True
+        ids = {t: tokenizer.convert_tokens_to_ids(t) for t in (IM_START, IM_END, IMAGE_TOKEN)}
+        missing = [t for t, i in ids.items() if i is None or i == tokenizer.unk_token_id]
+        if missing:
+            raise ValueError(
+                f"tokenizer lacks special tokens {missing}; load it with nanovlm.data.tokenizer.load_tokenizer"
+            )
+        self.im_start_id, self.im_end_id, self.image_token_id = ids[IM_START], ids[IM_END], ids[IMAGE_TOKEN]
+        self._newline = self._encode_text("\n")
+        self._headers: dict[str, list[int]] = {}
+
+    def _encode_text(self, text: str) -> list[int]:
+        return self._text.encode(text, add_special_tokens=False).ids if text else []
+
+    def _header(self, role: str) -> list[int]:
+        if role not in self._headers:
+            self._headers[role] = [self.im_start_id, *self._encode_text(role + "\n")]
+        return self._headers[role]
+
+    def _content(self, content: str, per_image: int) -> tuple[list[int], list[bool]]:
+        """Content ids and a mask of which are image tokens."""
+        ids: list[int] = []
+        is_image: list[bool] = []
+        for i, piece in enumerate(content.split(IMAGE_PLACEHOLDER)):
+            if i > 0:
+                ids += [self.image_token_id] * per_image
+                is_image += [True] * per_image
+            piece_ids = self._encode_text(piece)
+            ids += piece_ids
+            is_image += [False] * len(piece_ids)
+        return ids, is_image
+
+    def encode(self, messages: list[dict], per_image: int | None = None) -> tuple[list[int], list[int]]:
+        """(input_ids, labels) of a whole conversation; each ``<image>`` becomes ``per_image`` image tokens."""
+        per_image = self.image_token_count if per_image is None else per_image
+        ids: list[int] = []
+        labels: list[int] = []
+        for m in messages:
+            header = self._header(m["role"])
+            content, is_image = self._content(m["content"], per_image)
+            ids += header
+            labels += [IGNORE_INDEX] * len(header)
+            ids += content
+            if m["role"] == "assistant":
+                labels += [IGNORE_INDEX if im else t for t, im in zip(content, is_image)]
+                labels.append(self.im_end_id)
+            else:
+                labels += [IGNORE_INDEX] * len(content)
+                labels.append(IGNORE_INDEX)
+            ids.append(self.im_end_id)
+            ids += self._newline
+            labels += [IGNORE_INDEX] * len(self._newline)
+        return ids, labels
+
+    def prompt_ids(self, messages: list[dict]) -> list[int]:
+        """Ids to generate the next assistant turn from: the conversation, then ``<|im_start|>assistant\\n``.
+
+        Images are expanded to ``image_token_count`` tokens, as in training.
+        """
+        ids, _ = self.encode(messages)
+        return ids + self._header("assistant")
+
+    def text_tokens(self, messages: list[dict]) -> int:
+        """Token count with each ``<image>`` counted as one token (the index's ``text_tokens``)."""
+        return len(self.encode(messages, per_image=1)[0])
+
+    def image(self, data: bytes, key: str = "") -> torch.Tensor:
+        """Image bytes -> uint8 [3, image_size, image_size]."""
+        img = decode_image(data, self.max_image_pixels, draft_size=self.image_size, key=key)
+        return image_to_tensor(resize_image(img, self.image_size, self.resize))
+
+    def process(self, record: Record, max_tokens: int | None = None, overlength: str = "drop") -> ProcessedSample:
+        """Record -> ProcessedSample. Raises SampleError for bad images, placeholder mismatch and over-length.
+
+        ``overlength="drop"`` rejects a sample longer than ``max_tokens`` (reason ``overlength``);
+        ``"truncate"`` cuts it to ``max_tokens`` without splitting an image's tokens (an image that would be
+        cut is removed whole, with everything after it). A truncated sample with no loss token left is dropped.
+        """
+        if overlength not in ("drop", "truncate"):
+            raise ValueError(f"overlength must be 'drop' or 'truncate', got {overlength!r}")
+        n_placeholders = sum(m["content"].count(IMAGE_PLACEHOLDER) for m in record.messages)
+        if n_placeholders != len(record.images):
+            raise SampleError(
+                "image_count_mismatch", record.key, f"{n_placeholders} placeholders, {len(record.images)} images"
+            )
+        ids, labels = self.encode(record.messages)
+        n_images = len(record.images)
+        truncated = False
+        if max_tokens is not None and len(ids) > max_tokens:
+            if overlength == "drop":
+                raise SampleError("overlength", record.key, f"{len(ids)} tokens > max_tokens={max_tokens}")
+            cut = max_tokens
+            n_images = 0
+            pos = 0
+            while pos < cut:  # walk image spans: keep the ones that end before the cut
+                if ids[pos] == self.image_token_id:
+                    end = pos + self.image_token_count
+                    if end > cut:
+                        cut = pos
+                        break
+                    n_images += 1
+                    pos = end
+                else:
+                    pos += 1
+            ids, labels = ids[:cut], labels[:cut]
+            truncated = True
+            if all(label == IGNORE_INDEX for label in labels):
+                raise SampleError("overlength", record.key, f"no answer token left after truncation to {max_tokens}")
+        size = self.image_size
+        if n_images:
+            pixels = torch.stack([self.image(b, record.key) for b in record.images[:n_images]])
+        else:
+            pixels = torch.zeros(0, 3, size, size, dtype=torch.uint8)
+        return ProcessedSample(
+            key=record.key,
+            input_ids=torch.tensor(ids, dtype=torch.long),
+            labels=torch.tensor(labels, dtype=torch.long),
+            pixel_values=pixels,
+            truncated=truncated,
+        )

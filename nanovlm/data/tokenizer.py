@@ -1,0 +1,113 @@
+"""Tokenizers: the small offline byte-level BPE of the default run, hub tokenizers, and their fingerprint.
+
+The model needs five special tokens: ``<image>`` (placeholder, expanded to the image's tokens during
+processing), ``<|im_start|>`` / ``<|im_end|>`` (ChatML turns), ``<|pad|>`` and ``<|endoftext|>``.
+``load_tokenizer`` adds whichever a hub tokenizer lacks, so any causal-LM tokenizer works.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Iterable
+from pathlib import Path
+
+from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
+
+IMAGE_TOKEN = "<image>"
+IM_START = "<|im_start|>"
+IM_END = "<|im_end|>"
+PAD_TOKEN = "<|pad|>"
+EOT_TOKEN = "<|endoftext|>"
+SPECIAL_TOKENS = (EOT_TOKEN, IM_START, IM_END, PAD_TOKEN, IMAGE_TOKEN)
+
+# ChatML, as SmolLM2 / Qwen use it. The training-side encoding (processing.SampleProcessor) builds the same
+# token sequence piecewise so that it can place loss labels exactly.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def _ensure_special_tokens(tok: PreTrainedTokenizerBase) -> PreTrainedTokenizerBase:
+    """Add missing special tokens, set pad/eos, and a ChatML chat template when the tokenizer has none."""
+    vocab = tok.get_vocab()
+    missing = [t for t in SPECIAL_TOKENS if t not in vocab]
+    if missing:
+        tok.add_special_tokens({"additional_special_tokens": missing})
+    if tok.pad_token is None or tok.pad_token_id is None:
+        tok.pad_token = PAD_TOKEN
+    if tok.eos_token is None:
+        tok.eos_token = IM_END
+    if not getattr(tok, "chat_template", None):
+        tok.chat_template = CHAT_TEMPLATE
+    return tok
+
+
+def load_tokenizer(name_or_path: str | os.PathLike) -> PreTrainedTokenizerBase:
+    """A local tokenizer directory or a hub id (hub ids need network) with the special tokens the model needs."""
+    path = Path(name_or_path)
+    looks_like_hub_id = len(path.parts) == 2 and not str(name_or_path).startswith((".", "/"))
+    if not path.exists() and not looks_like_hub_id:
+        raise FileNotFoundError(
+            f"tokenizer directory not found: {name_or_path} (build the demo one with "
+            f"`python scripts/make_demo_data.py`, or name a hub id such as HuggingFaceTB/SmolLM2-135M-Instruct)"
+        )
+    tok = AutoTokenizer.from_pretrained(str(name_or_path))
+    return _ensure_special_tokens(tok)
+
+
+def build_tokenizer(
+    out_dir: str | os.PathLike, texts: Iterable[str], vocab_size: int = 1024
+) -> PreTrainedTokenizerFast:
+    """Train a small byte-level BPE on ``texts`` and save it (``save_pretrained``) to ``out_dir``.
+
+    Deterministic for the same texts. Byte-level means any text encodes (no unknown token), so the demo
+    tokenizer also works, less efficiently, on text it was not trained on.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    bpe.train_from_iterator(list(texts), trainer)
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=bpe,
+        bos_token=IM_START,
+        eos_token=IM_END,
+        pad_token=PAD_TOKEN,
+        extra_special_tokens=[IMAGE_TOKEN, EOT_TOKEN],
+    )
+    tok.chat_template = CHAT_TEMPLATE
+    out = Path(out_dir)
+    tmp = out.with_name(out.name + ".tmp")
+    tok.save_pretrained(str(tmp))
+    if out.exists():
+        for f in out.iterdir():
+            f.unlink()
+        out.rmdir()
+    os.replace(tmp, out)  # a crash mid-save leaves no half-written tokenizer at out_dir
+    return load_tokenizer(out)
+
+
+def tokenizer_fingerprint(tok: PreTrainedTokenizerBase) -> str:
+    """Short hash of vocabulary, special tokens and chat template.
+
+    Stored in a dataset index: token lengths in an index are only valid for the tokenizer that counted them.
+    """
+    payload = {
+        "vocab": sorted(tok.get_vocab().items()),
+        "special": sorted((t, tok.convert_tokens_to_ids(t)) for t in set(tok.all_special_tokens) | set(SPECIAL_TOKENS)),
+        "chat_template": getattr(tok, "chat_template", None) or "",
+    }
+    blob = json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+    return hashlib.sha256(blob).hexdigest()[:16]
