@@ -1,0 +1,191 @@
+"""Parity with transformers: tiny random Llama / SigLIP saved with save_pretrained load into our modules and
+give the same outputs on the same inputs (fp32). Proves the architecture and the weight loader are the real thing."""
+
+import copy
+
+import pytest
+import torch
+
+from nanovlm.config import LanguageConfig, ModelConfig, ProjectorConfig, VisionConfig
+from nanovlm.model import CheckpointMismatchError, build_model
+from nanovlm.model.language import LanguageModel
+from nanovlm.model.pretrained import load_language_weights, load_vision_weights
+from nanovlm.model.vision import VisionEncoder
+
+transformers = pytest.importorskip("transformers")
+
+VISION = VisionConfig(image_size=32, patch_size=8, hidden_size=32, num_layers=2, num_heads=4, intermediate_size=64)
+LANGUAGE = LanguageConfig(
+    hidden_size=48, num_layers=2, num_heads=6, num_kv_heads=2, intermediate_size=80, rope_theta=50000.0
+)
+CKPT_VOCAB = 90
+
+
+def hf_siglip(full: bool = False):
+    torch.manual_seed(0)
+    vision = transformers.SiglipVisionConfig(
+        image_size=32, patch_size=8, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64
+    )
+    if full:  # the text+vision SiglipModel that hub checkpoints such as google/siglip-base-patch16-224 hold
+        text = transformers.SiglipTextConfig(
+            vocab_size=50, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64
+        )
+        cfg = transformers.SiglipConfig(text_config=text.to_dict(), vision_config=vision.to_dict())
+        return transformers.SiglipModel(cfg).eval()
+    return transformers.SiglipVisionModel(vision).eval()
+
+
+def hf_llama(tie: bool = True):
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        vocab_size=CKPT_VOCAB,
+        hidden_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        intermediate_size=80,
+        rms_norm_eps=1e-5,
+        rope_theta=50000.0,
+        tie_word_embeddings=tie,
+        max_position_embeddings=256,
+    )
+    return transformers.LlamaForCausalLM(cfg).eval()
+
+
+def word_tokenizer(n_words: int):
+    """A real fast tokenizer with n_words words and <image> as the next id."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+
+    vocab = {"<unk>": 0, **{f"w{i}": i + 1 for i in range(n_words - 1)}}
+    tok = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(WordLevel(vocab, unk_token="<unk>")), unk_token="<unk>"
+    )
+    tok.add_special_tokens({"additional_special_tokens": ["<image>"]})
+    return tok
+
+
+@pytest.fixture(scope="module")
+def siglip_dir(tmp_path_factory):
+    model = hf_siglip()
+    path = tmp_path_factory.mktemp("siglip")
+    model.save_pretrained(path)
+    return model, path
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory):
+    model = hf_llama()
+    path = tmp_path_factory.mktemp("llama")
+    model.save_pretrained(path)
+    return model, path
+
+
+def test_vision_matches_siglip(siglip_dir):
+    hf, path = siglip_dir
+    ours = VisionEncoder(VISION, attn_backend="sdpa")
+    load_vision_weights(ours, str(path))
+    pixels = torch.randn(3, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = hf(pixel_values=pixels).last_hidden_state  # post_layernorm applied
+        got = ours(pixels)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_vision_loads_from_full_siglip_model(tmp_path):
+    hf = hf_siglip(full=True)
+    hf.save_pretrained(tmp_path)
+    ours = VisionEncoder(VISION, attn_backend="sdpa")
+    load_vision_weights(ours, str(tmp_path))
+    pixels = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        want = hf.vision_model(pixel_values=pixels).last_hidden_state
+        got = ours(pixels)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_language_matches_llama(llama_dir):
+    hf, path = llama_dir
+    vocab = 128  # larger than the checkpoint's 90: tokens added for the VLM keep their init
+    ours = LanguageModel(LANGUAGE, vocab, attn_backend="sdpa")
+    load_language_weights(ours, str(path))
+    ids = torch.randint(0, CKPT_VOCAB, (2, 13), generator=torch.Generator().manual_seed(3))
+    positions = torch.arange(13).expand(2, 13)
+    with torch.no_grad():
+        want = hf(input_ids=ids).logits
+        got = ours(ours.embed_tokens(ids), positions)
+    torch.testing.assert_close(got[..., :CKPT_VOCAB], want, atol=1e-5, rtol=1e-5)
+
+
+def test_untied_checkpoint_into_untied_model(tmp_path):
+    hf = hf_llama(tie=False)
+    hf.save_pretrained(tmp_path)
+    cfg = copy.deepcopy(LANGUAGE)
+    cfg.tie_embeddings = False
+    ours = LanguageModel(cfg, CKPT_VOCAB, attn_backend="sdpa")
+    load_language_weights(ours, str(tmp_path))
+    ids = torch.randint(0, CKPT_VOCAB, (1, 9), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        torch.testing.assert_close(
+            ours(ours.embed_tokens(ids), torch.arange(9)[None]), hf(input_ids=ids).logits, atol=1e-5, rtol=1e-5
+        )
+    with pytest.raises(CheckpointMismatchError, match="tie_embeddings=false"):
+        load_language_weights(LanguageModel(LANGUAGE, CKPT_VOCAB), str(tmp_path))
+
+
+def test_whole_vlm_packed_text_equals_llama(siglip_dir, llama_dir):
+    """Both checkpoints through NanoVLM: a packed batch of two text samples gives Llama's logits per sample."""
+    (hf_vis, vis_path), (hf_lm, lm_path) = siglip_dir, llama_dir
+    cfg = ModelConfig(
+        vision=VISION,
+        projector=ProjectorConfig(pixel_shuffle_factor=2),
+        language=LANGUAGE,
+        attn_backend="sdpa",
+        vision_checkpoint=str(vis_path),
+        language_checkpoint=str(lm_path),
+    )
+    model = build_model(cfg, word_tokenizer(100))  # 101 tokens -> vocabulary 128, <image> = 100
+    assert (model.vocab_size, model.image_token_id) == (128, 100)
+    g = torch.Generator().manual_seed(5)
+    a, b = torch.randint(0, CKPT_VOCAB, (7,), generator=g), torch.randint(0, CKPT_VOCAB, (12,), generator=g)
+    batch = {
+        "input_ids": torch.cat([a, b])[None],
+        "position_ids": torch.cat([torch.arange(7), torch.arange(12)])[None],
+        "cu_seqlens": torch.tensor([0, 7, 19], dtype=torch.int32),
+        "max_seqlen": 12,
+        "pixel_values": torch.zeros(0, 3, 32, 32, dtype=torch.uint8),
+    }
+    with torch.no_grad():
+        logits = model(batch)["logits"][0, :, :CKPT_VOCAB]
+        torch.testing.assert_close(logits[:7], hf_lm(input_ids=a[None]).logits[0], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(logits[7:], hf_lm(input_ids=b[None]).logits[0], atol=1e-5, rtol=1e-5)
+        # and the image path uses SigLIP's features: the model's normalisation of uint8 pixels feeds hf_vis
+        pixels = torch.randint(0, 256, (2, 3, 32, 32), dtype=torch.uint8, generator=g)
+        want = hf_vis(pixel_values=(pixels.float() / 255 - 0.5) / 0.5).last_hidden_state
+        torch.testing.assert_close(model.vision(model.normalize(pixels)), want, atol=1e-5, rtol=1e-5)
+
+
+def test_config_mismatch_lists_every_difference(siglip_dir, llama_dir):
+    _, vis_path = siglip_dir
+    _, lm_path = llama_dir
+    wrong_vision = copy.deepcopy(VISION)
+    wrong_vision.num_heads, wrong_vision.image_size = 2, 64
+    with pytest.raises(
+        CheckpointMismatchError, match=r"image_size: checkpoint 32 vs config 64.*num_heads: checkpoint 4 vs config 2"
+    ):
+        load_vision_weights(VisionEncoder(wrong_vision), str(vis_path))
+    wrong_lm = copy.deepcopy(LANGUAGE)
+    wrong_lm.rope_theta, wrong_lm.num_kv_heads = 10000.0, 3
+    with pytest.raises(CheckpointMismatchError, match=r"num_kv_heads: checkpoint 2 vs config 3.*rope_theta"):
+        load_language_weights(LanguageModel(wrong_lm, 128), str(lm_path))
+
+
+def test_shape_mismatch_and_missing_checkpoint(tmp_path, llama_dir):
+    _, lm_path = llama_dir
+    with pytest.raises(
+        CheckpointMismatchError,
+        match=r"embed_tokens.weight' has shape \(90, 48\) but embed_tokens.weight needs \(64, 48\)",
+    ):
+        load_language_weights(LanguageModel(LANGUAGE, 64), str(lm_path))
+    with pytest.raises(FileNotFoundError, match="not a directory"):
+        load_vision_weights(VisionEncoder(VISION), str(tmp_path / "nope"))
