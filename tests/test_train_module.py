@@ -1,0 +1,284 @@
+"""The training module in-process on CPU: optimizer groups, freezing, lr schedule, checkpoint IO, and a real
+Lightning fit + exact resume with a tiny NanoVLM on synthetic packed batches (built with the real collator)."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from torch.utils.data import DataLoader, IterableDataset
+
+from nanovlm.config import Config, image_token_count, load_config
+from nanovlm.data.collate import collate_packed
+from nanovlm.model.vlm import NanoVLM
+from nanovlm.train import optim
+from nanovlm.train.checkpoint import (
+    AtomicCheckpointIO,
+    CheckpointWriteError,
+    checkpoint_name,
+    list_checkpoints,
+    resolve_resume,
+)
+from nanovlm.train.module import VLMModule
+from nanovlm.train.run import build_trainer
+
+VOCAB = 96
+IMAGE_ID = 95
+PAD_ID = 0
+
+TINY = [
+    "model.vision.image_size=16",
+    "model.vision.patch_size=4",
+    "model.vision.hidden_size=32",
+    "model.vision.num_layers=1",
+    "model.vision.num_heads=2",
+    "model.vision.intermediate_size=64",
+    "model.language.hidden_size=48",
+    "model.language.num_layers=2",
+    "model.language.num_heads=4",
+    "model.language.num_kv_heads=2",
+    "model.language.intermediate_size=96",
+    "model.attn_backend=sdpa",
+    "data.max_tokens=64",
+    "data.val=[]",
+    "trainer.accelerator=cpu",
+    "trainer.devices=1",
+    "trainer.progress_bar=false",
+    "trainer.logger=none",
+    "trainer.log_every_n_steps=2",
+    "trainer.eval_at_end=false",
+    "optim.warmup_steps=2",
+    "optim.lr=3e-3",
+]
+
+
+def tiny_cfg(tmp_path: Path, *extra: str) -> Config:
+    return load_config([], [*TINY, f"trainer.run_dir={tmp_path}", *extra])
+
+
+@dataclass
+class Sample:
+    key: str
+    input_ids: torch.Tensor
+    labels: torch.Tensor
+    pixel_values: torch.Tensor
+
+
+def synthetic_batch(index: int, cfg: Config) -> dict:
+    """Pack ``index`` of a deterministic stream: 2 samples, each one image + a random prompt + the same
+    3-token answer (learnable in a few steps)."""
+    g = torch.Generator().manual_seed(index)
+    itc = image_token_count(cfg.model)
+    size = cfg.model.vision.image_size
+    samples = []
+    for j in range(2):
+        prompt = torch.randint(1, 40, (6,), generator=g)
+        answer = torch.tensor([50, 51, 52])
+        ids = torch.cat([torch.full((itc,), IMAGE_ID), prompt, answer])
+        labels = torch.full_like(ids, -100)
+        labels[-3:] = answer
+        pixels = torch.randint(0, 256, (1, 3, size, size), generator=g, dtype=torch.uint8)
+        samples.append(Sample(f"s{index:05d}_{j}", ids, labels, pixels))
+    return collate_packed(samples, cfg.data.max_tokens, PAD_ID, size, meta={"index": index})
+
+
+class _Stream(IterableDataset):
+    def __init__(self, cfg: Config, start: int) -> None:
+        self.cfg, self.start = cfg, start
+
+    def __iter__(self):
+        i = self.start
+        while True:
+            yield synthetic_batch(i, self.cfg)
+            i += 1
+
+
+class StreamDataModule(pl.LightningDataModule):
+    """Infinite deterministic stream whose state is the index of the next untrained pack."""
+
+    def __init__(self, cfg: Config) -> None:
+        super().__init__()
+        self.cfg, self.position = cfg, 0
+
+    def train_dataloader(self):
+        return DataLoader(_Stream(self.cfg, self.position), batch_size=None)
+
+    def on_batch_consumed(self, batch: dict) -> None:
+        self.position = batch["meta"]["index"] + 1
+
+    def state_dict(self) -> dict:
+        return {"position": self.position}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.position = state["position"]
+
+
+def tiny_model(cfg: Config) -> NanoVLM:
+    torch.manual_seed(0)
+    return NanoVLM(cfg.model, VOCAB, IMAGE_ID)
+
+
+def fit(cfg: Config, ckpt_path=None):
+    pl.seed_everything(cfg.trainer.seed, verbose=False)
+    module = VLMModule(cfg, model=tiny_model(cfg))
+    dm = StreamDataModule(cfg)
+    trainer, ckpt, telemetry = build_trainer(cfg)
+    trainer.fit(module, datamodule=dm, ckpt_path=ckpt_path, weights_only=True)
+    return trainer, module, ckpt, telemetry
+
+
+def read_steps(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "steps.jsonl").read_text().splitlines()]
+
+
+# ----------------------------------------------------------------------------------------------------------
+
+
+def test_param_groups_split_parts_and_decay(tmp_path):
+    cfg = tiny_cfg(tmp_path, "optim.vision_lr=1e-4", "optim.projector_lr=5e-3")
+    model = tiny_model(cfg)
+    groups = optim.param_groups(model, cfg.optim)
+    names = [g["name"] for g in groups]
+    assert names == ["vision", "vision_no_decay", "projector", "language", "language_no_decay"]  # projector: no bias
+    lrs = {g["name"]: g["peak_lr"] for g in groups}
+    assert lrs["vision"] == 1e-4 and lrs["projector"] == 5e-3 and lrs["language"] == 3e-3
+    # every trainable parameter is in exactly one group; norms/biases/embeddings have no weight decay
+    ids = [id(p) for g in groups for p in g["params"]]
+    assert len(ids) == len(set(ids)) == len(list(model.parameters()))
+    for g in groups:
+        assert g["weight_decay"] == (0.0 if g["name"].endswith("no_decay") else cfg.optim.weight_decay)
+    emb = model.language.embed_tokens.weight
+    assert any(p is emb for g in groups if g["name"] == "language_no_decay" for p in g["params"])
+
+
+def test_freezing_removes_parts_from_optimizer(tmp_path):
+    cfg = tiny_cfg(tmp_path, "optim.freeze_vision=true", "optim.freeze_projector=true")
+    model = tiny_model(cfg)
+    optim.apply_freezing(model, cfg.optim)
+    assert not any(p.requires_grad for p in model.vision.parameters())
+    assert not any(p.requires_grad for p in model.projector.parameters())
+    assert all(p.requires_grad for p in model.language.parameters())
+    assert [g["name"] for g in optim.param_groups(model, cfg.optim)] == ["language", "language_no_decay"]
+    cfg_all = tiny_cfg(
+        tmp_path, "optim.freeze_vision=true", "optim.freeze_projector=true", "optim.freeze_language=true"
+    )
+    with pytest.raises(ValueError, match="freeze the whole model"):
+        optim.apply_freezing(tiny_model(cfg_all), cfg_all.optim)
+
+
+def test_schedule_warmup_cosine_linear_constant():
+    s = optim.Schedule("cosine", warmup_steps=10, max_steps=110, min_lr_ratio=0.1)
+    assert [s(i) for i in (0, 4, 9)] == [0.1, 0.5, 1.0]
+    assert s(10) == 1.0
+    assert s(60) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)))
+    assert s(110) == pytest.approx(0.1) and s(500) == pytest.approx(0.1)
+    lin = optim.Schedule("linear", 0, 100, 0.0)
+    assert lin(0) == 1.0 and lin(50) == pytest.approx(0.5) and lin(100) == 0.0
+    assert optim.Schedule("constant", 5, 100, 0.1)(99) == 1.0
+
+
+def test_atomic_io_roundtrip_and_write_error_keeps_previous(tmp_path):
+    io = AtomicCheckpointIO()
+    good = tmp_path / checkpoint_name(10)
+    io.save_checkpoint({"w": torch.arange(4), "step": 10}, good)
+    assert torch.equal(io.load_checkpoint(good)["w"], torch.arange(4))
+    assert not list(tmp_path.glob("*.tmp"))
+    # a write that fails (its temp path is a directory) names the path and leaves the good checkpoint alone
+    bad = tmp_path / checkpoint_name(20)
+    (tmp_path / (bad.name + ".tmp")).mkdir()
+    with pytest.raises(CheckpointWriteError, match=r"step-00000020\.ckpt"):
+        io.save_checkpoint({"w": torch.zeros(2)}, bad)
+    assert not bad.exists()
+    assert [s for s, _ in list_checkpoints(tmp_path)] == [10]
+    assert io.load_checkpoint(good)["step"] == 10
+
+
+def test_load_refuses_pickled_code(tmp_path):
+    path = tmp_path / checkpoint_name(1)
+    torch.save({"obj": Sample}, path)  # a class reference: needs unpickling of arbitrary globals
+    with pytest.raises(Exception, match="(?i)weights_only"):
+        AtomicCheckpointIO().load_checkpoint(path)
+
+
+def test_resolve_resume_modes(tmp_path):
+    cfg = tiny_cfg(tmp_path)
+    assert resolve_resume(cfg) is None  # auto, empty dir
+    ck = tmp_path / "checkpoints"
+    ck.mkdir()
+    for step in (5, 20, 10):
+        (ck / checkpoint_name(step)).write_bytes(b"x")
+    (ck / (checkpoint_name(30) + ".tmp")).write_bytes(b"partial")  # an interrupted save is never picked
+    assert resolve_resume(cfg) == ck / checkpoint_name(20)
+    cfg.checkpoint.resume = "none"
+    assert resolve_resume(cfg) is None
+    cfg.checkpoint.resume = str(tmp_path / "missing.ckpt")
+    with pytest.raises(FileNotFoundError, match="missing.ckpt"):
+        resolve_resume(cfg)
+
+
+def test_fit_learns_keeps_last_checkpoints_and_logs_steps(tmp_path):
+    cfg = tiny_cfg(tmp_path, "trainer.max_steps=12", "checkpoint.every_n_steps=4", "checkpoint.keep_last=2")
+    trainer, module, ckpt, telemetry = fit(cfg)
+    assert trainer.global_step == 12
+    # periodic at 4 and 8, final at 12; keep_last=2
+    assert [s for s, _ in list_checkpoints(tmp_path / "checkpoints")] == [8, 12]
+    steps = read_steps(tmp_path)
+    assert [r["step"] for r in steps] == list(range(1, 13))
+    assert steps[0]["keys"] == ["s00000_0", "s00000_1"] and steps[11]["keys"] == ["s00011_0", "s00011_1"]
+    assert steps[-1]["loss"] < steps[0]["loss"] - 0.5  # it learns
+    rows = telemetry.history
+    assert [r["step"] for r in rows] == [2, 4, 6, 8, 10, 12]
+    for r in rows:
+        assert 0 < r["train/packing_fill"] <= 1 and r["train/tokens_per_s"] > 0 and 0 <= r["train/data_wait_frac"] <= 1
+    # lr followed the schedule: the last logged lr is the one of step index 11
+    assert rows[-1]["train/lr"] == pytest.approx(cfg.optim.lr * module.schedule(11))
+    sd = torch.load(tmp_path / "checkpoints" / checkpoint_name(12), weights_only=True)
+    assert sd["global_step"] == 12 and sd["StreamDataModule"] == {"position": 12}
+    assert len(sd["rng_states"]) == 1
+
+
+def test_exact_resume_in_process_with_accumulation(tmp_path):
+    common = ["trainer.max_steps=6", "trainer.accumulate_grad_batches=2", "checkpoint.every_n_steps=3"]
+    full_dir, part_dir = tmp_path / "full", tmp_path / "part"
+    fit(tiny_cfg(full_dir, *common))
+    # the interrupted run stops after step 3 (max_steps=3 with the schedule of a 6-step run is what a kill at
+    # step 3 leaves behind: the checkpoint of step 3)
+    cfg_part = tiny_cfg(part_dir, *common)
+    pl.seed_everything(cfg_part.trainer.seed, verbose=False)
+    module = VLMModule(cfg_part, model=tiny_model(cfg_part))
+    trainer, _, _ = build_trainer(cfg_part)
+    trainer.fit_loop.epoch_loop.max_steps = 3
+    trainer.fit(module, datamodule=StreamDataModule(cfg_part), weights_only=True)
+    assert [s for s, _ in list_checkpoints(part_dir / "checkpoints")] == [3]
+    trainer, _, _, _ = fit(cfg_part, ckpt_path=resolve_resume(cfg_part))
+    assert trainer.global_step == 6
+    full, resumed = read_steps(full_dir), read_steps(part_dir)
+    assert len(full) == 12
+    assert [(r["micro"], r["keys"], r["loss"]) for r in resumed] == [(r["micro"], r["keys"], r["loss"]) for r in full]
+    a = torch.load(full_dir / "checkpoints" / checkpoint_name(6), weights_only=True)["state_dict"]
+    b = torch.load(part_dir / "checkpoints" / checkpoint_name(6), weights_only=True)["state_dict"]
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_sigterm_saves_and_stops(tmp_path):
+    """A SIGTERM during training saves a checkpoint at the next step boundary and stops cleanly."""
+    import os
+    import signal
+
+    class KillAt(pl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if trainer.global_step == 3:
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    cfg = tiny_cfg(tmp_path, "trainer.max_steps=10", "checkpoint.every_n_steps=0")
+    module = VLMModule(cfg, model=tiny_model(cfg))
+    trainer, ckpt, _ = build_trainer(cfg)
+    trainer.callbacks.insert(0, KillAt())
+    trainer.fit(module, datamodule=StreamDataModule(cfg), weights_only=True)
+    assert ckpt.preempted and trainer.global_step == 3
+    assert [s for s, _ in list_checkpoints(tmp_path / "checkpoints")] == [3]
