@@ -12,6 +12,11 @@ Backends (``model.attn_backend``):
 - ``sdpa``         ``F.scaled_dot_product_attention`` run once per segment: any device and dtype; the CPU path and
                    the fp32 reference the GPU kernels are tested against.
 - ``auto``         flash_attn, else torch_varlen, for CUDA bf16/fp16; sdpa otherwise. The choice is logged once.
+                   Segments that all have the same length (the images of the vision encoder, a pack of one
+                   sample) go to one batched SDPA call instead: on an H200 (torch 2.11, bf16, fwd + bwd) that
+                   took 0.67 ms vs 1.15 ms for torch_varlen on 16 images x 1024 patches, 0.69 vs 1.10 ms on
+                   64 x 196, while for 8 / 64 ragged segments of an 8192-token pack torch_varlen took
+                   0.91 / 0.92 ms vs 3.5 / 26.8 ms for the sdpa loop.
 
 Why the sdpa backend loops over segments instead of one call with a block-diagonal mask: a [T, T] mask makes
 SDPA compute all T^2 scores, while the per-segment loop
@@ -189,4 +194,7 @@ def attention(
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of kv heads ({k.shape[1]})")
     name = resolve_backend(backend, q.device, q.dtype)
-    return _IMPLS[name](q, k, v, cu_seqlens, int(max_seqlen), causal)
+    max_seqlen = int(max_seqlen)
+    if backend == "auto" and (cu_seqlens.numel() - 1) * max_seqlen == q.shape[0]:
+        name = "sdpa"  # equal segments: one batched SDPA call beats the varlen kernels (measured above)
+    return _IMPLS[name](q, k, v, cu_seqlens, max_seqlen, causal)
