@@ -21,6 +21,7 @@ _END_OF_ARCHIVE = b"\0" * 1024  # two zero blocks: lets tarfile stop cleanly at 
 def parse_members(blob: bytes, key: str) -> dict[str, bytes]:
     """Tar bytes of one sample -> {suffix: bytes}. Raises SampleError('corrupt_member') on any damage."""
     members: dict[str, bytes] = {}
+    end = 0  # end of the last member's data blocks: must reach the end of the byte range
     try:
         with tarfile.open(fileobj=io.BytesIO(blob + _END_OF_ARCHIVE), mode="r:") as tf:
             for info in tf:
@@ -34,12 +35,15 @@ def parse_members(blob: bytes, key: str) -> dict[str, bytes]:
                 if len(payload) != info.size:
                     raise SampleError("corrupt_member", key, f"member {info.name!r} is truncated")
                 members[suffix] = payload
+                end = max(end, info.offset_data + -(-info.size // 512) * 512)
     except SampleError:
         raise
     except (tarfile.TarError, OSError, EOFError, ValueError) as e:
         raise SampleError("corrupt_member", key, f"{type(e).__name__}: {e}") from None
     if not members:
         raise SampleError("corrupt_member", key, "no tar member in the recorded byte range")
+    if end != len(blob):  # tarfile stops quietly at a damaged header after the first member
+        raise SampleError("corrupt_member", key, f"tar members end at byte {end} of the sample's {len(blob)}")
     return members
 
 

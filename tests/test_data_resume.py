@@ -1,0 +1,171 @@
+"""Exact resumption of the packed data stream: same keys and same tensors after restore, with workers, across
+epoch boundaries, on a different world size / worker count, and through a Lightning checkpoint."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_datamodule import IMAGE_TOKENS, all_keys, make_cfg, make_dm, take
+
+from nanovlm.data.datamodule import DataPositionCallback, DataStateError, PackedMultimodalDataModule
+from nanovlm.data.reader import ShardReader
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory, make_dataset):
+    root = tmp_path_factory.mktemp("resume")
+    make_dataset(root / "a", 60, samples_per_shard=16, seed=3, image_token_count=IMAGE_TOKENS)
+    make_dataset(root / "b", 20, samples_per_shard=6, seed=4, image_token_count=IMAGE_TOKENS, key_prefix="b")
+    return root
+
+
+def same_batch(x: dict, y: dict) -> None:
+    assert x["sample_keys"] == y["sample_keys"]
+    assert (x["meta"]["epoch"], x["meta"]["index"]) == (y["meta"]["epoch"], y["meta"]["index"])
+    for k in ("input_ids", "labels", "position_ids", "cu_seqlens", "pixel_values"):
+        assert torch.equal(x[k], y[k]), k
+
+
+def test_exact_resume_with_workers_at_several_points(data, tiny_tokenizer):
+    cfg = make_cfg([data / "a", data / "b"], num_workers=2)
+    ref_dm = make_dm(cfg, tiny_tokenizer)
+    per_epoch = ref_dm.current_plan().batches_per_rank()
+    points = [1, 2, per_epoch - 1, per_epoch, per_epoch + 1]  # incl. the last batch and right after the boundary
+    states, ref = {}, []
+    it = iter(ref_dm.train_dataloader())
+    for i in range(per_epoch + 4):
+        if i in points:
+            states[i] = ref_dm.state_dict()
+        batch = next(it)
+        ref_dm.on_batch_consumed(batch)
+        ref.append(batch)
+    del it
+    assert ref[per_epoch]["meta"]["epoch"] == 1 and ref[per_epoch]["meta"]["index"] == 0
+    for c in points:
+        dm = make_dm(cfg, tiny_tokenizer)
+        dm.load_state_dict(states[c])
+        for got, want in zip(take(dm, 3), ref[c : c + 3]):
+            same_batch(got, want)
+
+
+def test_state_restored_before_setup_and_in_a_new_process_order(data, tiny_tokenizer):
+    """Lightning may call load_state_dict before setup; the state applies at setup."""
+    cfg = make_cfg([data / "a"])
+    a = make_dm(cfg, tiny_tokenizer)
+    take(a, 3)
+    state = a.state_dict()
+    want = take(a, 2, consume=False)
+    b = PackedMultimodalDataModule(cfg.data, cfg.model, tiny_tokenizer, rank=0, world_size=1)
+    b.load_state_dict(state)
+    b.setup("fit")
+    for got, w in zip(take(b, 2), want):
+        same_batch(got, w)
+
+
+def run_ranks(cfg, tokenizer, world_size, n_batches, state=None):
+    """Simulate ``world_size`` ranks in-process: each consumes ``n_batches`` (None = to the epoch's end).
+
+    Returns the keys each rank consumed, the merged (as if all-gathered) state and the plan's carry."""
+    keys, states, dms = [], [], []
+    for rank in range(world_size):
+        dm = make_dm(cfg, tokenizer, rank, world_size)
+        if state is not None:
+            dm.load_state_dict(state)
+        n = n_batches if n_batches is not None else dm.current_plan().batches_per_rank() - dm._pos.consumed
+        keys += [k for b in take(dm, n) for k in b["sample_keys"]]
+        states.append(dm.state_dict())
+        dms.append(dm)
+    return keys, PackedMultimodalDataModule.merge_rank_states(states), dms
+
+
+@pytest.mark.parametrize("old,new", [((2, 1), (1, 1)), ((1, 2), (3, 1))])
+def test_elastic_resume_loses_and_repeats_nothing(data, tiny_tokenizer, old, new):
+    old_cfg = make_cfg([data / "a", data / "b"], num_workers=old[1])
+    new_cfg = make_cfg([data / "a", data / "b"], num_workers=new[1])
+    first, state, _ = run_ranks(old_cfg, tiny_tokenizer, old[0], 3)
+    assert state["world_size"] == old[0] and len(state["ranks"]) == old[0]
+    rest, _, dms = run_ranks(new_cfg, tiny_tokenizer, new[0], None, state)
+    assert all(dm._pos.epoch == 1 for dm in dms)  # every new rank finished the epoch after the same number of steps
+    carry = [dms[0].table.keys[g] for g in dms[0]._pos.carry_in]
+    seen = first + rest
+    assert len(seen) == len(set(seen))  # nothing repeated
+    assert sorted(seen + carry) == all_keys(data / "a", data / "b")  # nothing lost (carry opens epoch 1)
+
+
+def test_changed_seed_or_data_is_refused(data, tiny_tokenizer):
+    cfg = make_cfg([data / "a"])
+    dm = make_dm(cfg, tiny_tokenizer)
+    take(dm, 2)
+    state = dm.state_dict()
+    other = make_cfg([data / "a"], seed=99)
+    with pytest.raises(DataStateError, match=r"seed: 1234 -> 99"):
+        make_dm(other, tiny_tokenizer).load_state_dict(state)
+    with pytest.raises(DataStateError, match="datasets"):
+        make_dm(make_cfg([data / "b"]), tiny_tokenizer).load_state_dict(state)
+    with pytest.raises(DataStateError, match="max_tokens"):
+        make_dm(make_cfg([data / "a"], max_tokens=300), tiny_tokenizer).load_state_dict(state)
+
+
+def test_resume_seeks_instead_of_replaying(data, tiny_tokenizer, monkeypatch):
+    """Samples read before the first batch after a resume do not grow with the position in the epoch."""
+    cfg = make_cfg([data / "a", data / "b"])
+    reads = []
+    real_read = ShardReader.read
+
+    def counting_read(self, path, offset, nbytes, key):
+        reads.append(key)
+        return real_read(self, path, offset, nbytes, key)
+
+    monkeypatch.setattr(ShardReader, "read", counting_read)
+    counts = {}
+    for c in (0, 10):
+        dm = make_dm(cfg, tiny_tokenizer)
+        dm._pos.consumed = c  # a saved position, as load_state_dict would set it
+        reads.clear()
+        batch = next(iter(dm.train_dataloader()))
+        assert batch["meta"]["index"] == c
+        counts[c] = len(reads)
+    assert counts[10] <= cfg.data.lookahead + 2 * max(counts[0], 8)
+
+
+def test_lightning_checkpoint_resume_continues_exactly(data, tiny_tokenizer, tmp_path):
+    import lightning as L
+
+    class Tiny(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.zeros(1))
+            self.keys: list[list[str]] = []
+
+        def training_step(self, batch, batch_idx):
+            self.keys.append(batch["sample_keys"])
+            return (self.w * batch["input_ids"].float().mean()).sum()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.0)
+
+    def fit(max_steps, ckpt=None):
+        cfg = make_cfg([data / "a"], num_workers=1)
+        dm = PackedMultimodalDataModule(cfg.data, cfg.model, tiny_tokenizer)
+        model = Tiny()
+        trainer = L.Trainer(
+            max_steps=max_steps,
+            accelerator="cpu",
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            limit_val_batches=0,
+            default_root_dir=tmp_path,
+            callbacks=[
+                DataPositionCallback(),
+                L.pytorch.callbacks.ModelCheckpoint(tmp_path / "ckpt", every_n_train_steps=4, save_top_k=-1),
+            ],
+        )
+        trainer.fit(model, datamodule=dm, ckpt_path=ckpt)
+        return model.keys
+
+    full = fit(10)
+    ckpts = sorted((tmp_path / "ckpt").glob("*step=4*.ckpt"))
+    assert ckpts, list((tmp_path / "ckpt").iterdir())
+    resumed = fit(10, str(ckpts[0]))
+    assert resumed == full[4:]

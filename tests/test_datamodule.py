@@ -1,0 +1,250 @@
+"""PackedMultimodalDataModule on real (small, synthetic) shards: batch contract, partition over ranks and
+workers, skips, error surfacing, shutdown, validation, telemetry."""
+
+from __future__ import annotations
+
+import gc
+import json
+import shutil
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from nanovlm.config import load_config
+from nanovlm.data.datamodule import DataMismatchError, PackedMultimodalDataModule, SkipRateError
+from nanovlm.data.format import members_to_record
+from nanovlm.data.index import load_index, read_sample
+from nanovlm.data.processing import SampleProcessor
+from nanovlm.data.producer import ProducerError
+
+IMAGE_TOKENS = 16  # tiny_cpu.yaml: 32 px images, 4 px patches, pixel shuffle 2
+
+
+def make_cfg(train, val=(), **data):
+    cfg = load_config(["tiny_cpu.yaml"])
+    cfg.data.train = [str(d) for d in train]
+    cfg.data.val = [str(d) for d in val]
+    cfg.data.max_tokens = 256
+    cfg.data.max_images = 8
+    cfg.data.lookahead = 16
+    cfg.data.max_carry = 4
+    cfg.data.shuffle_buffer = 8
+    cfg.data.queue_size = 2
+    cfg.data.num_workers = 0
+    for k, v in data.items():
+        setattr(cfg.data, k, v)
+    return cfg
+
+
+def make_dm(cfg, tokenizer, rank=0, world_size=1):
+    dm = PackedMultimodalDataModule(cfg.data, cfg.model, tokenizer, rank=rank, world_size=world_size)
+    dm.setup("fit")
+    return dm
+
+
+def take(dm, n, consume=True):
+    """The next n batches of a fresh train loader (advancing the position like a training loop)."""
+    out = []
+    it = iter(dm.train_dataloader())
+    for batch in it:
+        if consume:
+            dm.on_batch_consumed(batch)
+        out.append(batch)
+        if len(out) == n:
+            break
+    del it
+    return out
+
+
+def all_keys(*dirs):
+    return sorted(k for d in dirs for sh in load_index(d).shards for k in sh.keys)
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory, make_dataset):
+    """Two training directories with uneven shards (16/16/16/16/6 and 7/7/7/4) and a validation one."""
+    root = tmp_path_factory.mktemp("dm")
+    make_dataset(root / "a", 70, samples_per_shard=16, seed=0, image_token_count=IMAGE_TOKENS)
+    make_dataset(root / "b", 25, samples_per_shard=7, seed=1, image_token_count=IMAGE_TOKENS, key_prefix="b")
+    make_dataset(root / "val", 30, samples_per_shard=8, seed=2, image_token_count=IMAGE_TOKENS, key_prefix="v")
+    return root
+
+
+@pytest.mark.parametrize("overlength,max_tokens", [("drop", 256), ("truncate", 96)])
+def test_packed_batches_match_per_sample_processing(data, tiny_tokenizer, overlength, max_tokens):
+    cfg = make_cfg([data / "a"], overlength=overlength, max_tokens=max_tokens)
+    dm = make_dm(cfg, tiny_tokenizer)
+    proc = SampleProcessor(tiny_tokenizer, 32, IMAGE_TOKENS)
+    idx = load_index(data / "a")
+    where = {k: (sh, i) for sh in idx.shards for i, k in enumerate(sh.keys)}
+    n_checked = 0
+    for batch in take(dm, 4):
+        t = max_tokens
+        assert batch["input_ids"].shape == batch["labels"].shape == batch["position_ids"].shape == (1, t)
+        assert batch["cu_seqlens"].dtype == torch.int32 and batch["pixel_values"].dtype == torch.uint8
+        cu = batch["cu_seqlens"].tolist()
+        assert cu[0] == 0 and cu[-1] == t and batch["max_seqlen"] == max(b - a for a, b in zip(cu, cu[1:]))
+        pixels = []
+        for j, key in enumerate(batch["sample_keys"]):
+            sh, i = where[key]
+            rec = members_to_record(read_sample(idx.shard_path(sh), sh.offsets[i], sh.nbytes[i], key), key)
+            ref = proc.process(rec, max_tokens, overlength)
+            a, b = cu[j], cu[j + 1]
+            assert torch.equal(batch["input_ids"][0, a:b], ref.input_ids)
+            assert batch["labels"][0, a] == -100 and torch.equal(batch["labels"][0, a + 1 : b], ref.labels[1:])
+            assert batch["position_ids"][0, a:b].tolist() == list(range(b - a))
+            pixels.append(ref.pixel_values)
+            n_checked += 1
+        real = cu[len(batch["sample_keys"])]
+        assert batch["meta"]["real_tokens"] == real
+        assert (batch["labels"][0, real:] == -100).all()
+        assert (batch["input_ids"][0, real:] == tiny_tokenizer.pad_token_id).all()
+        assert torch.equal(batch["pixel_values"], torch.cat(pixels))
+    assert n_checked >= 4
+
+
+@pytest.mark.parametrize("world_size,workers", [(1, 2), (2, 1), (3, 2)])
+def test_each_sample_once_per_epoch_across_ranks_and_workers(data, tiny_tokenizer, world_size, workers):
+    cfg = make_cfg([data / "a", data / "b"], num_workers=workers)
+    seen, steps = [], set()
+    for rank in range(world_size):
+        dm = make_dm(cfg, tiny_tokenizer, rank, world_size)
+        n = dm.current_plan().batches_per_rank()
+        batches = take(dm, n)
+        assert [b["meta"]["index"] for b in batches] == list(range(n)) and {b["meta"]["epoch"] for b in batches} == {0}
+        assert dm.telemetry()["epoch"] == 1  # the rank finished its epoch after exactly n batches
+        steps.add(n)
+        seen += [k for b in batches for k in b["sample_keys"]]
+        carry = [dm.table.keys[g] for g in dm._pos.carry_in]  # cut at the epoch end, opening epoch 1
+    assert len(steps) == 1  # every rank takes the same number of steps
+    assert len(seen) == len(set(seen))  # disjoint
+    assert sorted(seen + carry) == all_keys(data / "a", data / "b")  # complete (carry opens the next epoch)
+
+
+def test_tokenizer_mismatch_is_refused(data, tmp_path):
+    from nanovlm.data.tokenizer import build_tokenizer
+
+    other = build_tokenizer(tmp_path / "tok", ["completely different words here"] * 50, vocab_size=300)
+    with pytest.raises(DataMismatchError, match="prepare_data"):
+        make_dm(make_cfg([data / "a"]), other)
+
+
+def copy_dataset(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_index_length_mismatch_surfaces_with_the_key(data, tiny_tokenizer, tmp_path, workers):
+    d = copy_dataset(data / "a", tmp_path / "a")
+    raw = json.loads((d / "index.json").read_text())
+    raw["shards"][0]["text_tokens"] = [n + 1 for n in raw["shards"][0]["text_tokens"]]
+    (d / "index.json").write_text(json.dumps(raw))
+    dm = make_dm(make_cfg([d], num_workers=workers, shuffle_buffer=0), tiny_tokenizer)
+    with pytest.raises(ProducerError) as err:
+        take(dm, dm.current_plan().batches_per_rank())
+    msg = str(err.value)
+    assert "s000" in msg and "prepare_data" in msg and "DataMismatchError" in msg
+
+
+def corrupt(d: Path, which: list[int]) -> list[str]:
+    """Overwrite the tar header of the last member of the given samples of shard 0 (sizes unchanged)."""
+    idx = load_index(d)
+    sh = idx.shards[0]
+    blob = bytearray(idx.shard_path(sh).read_bytes())
+    for i in which:
+        pos, end, headers = sh.offsets[i], sh.offsets[i] + sh.nbytes[i], []
+        while pos < end:
+            headers.append(pos)
+            size = int(bytes(blob[pos + 124 : pos + 136]).strip(b"\0 ") or b"0", 8)
+            pos += 512 + -(-size // 512) * 512
+        blob[headers[-1] : headers[-1] + 100] = b"\xff" * 100
+    idx.shard_path(sh).write_bytes(bytes(blob))
+    return [sh.keys[i] for i in which]
+
+
+def test_corrupt_members_are_skipped_and_counted(data, tiny_tokenizer, tmp_path):
+    d = copy_dataset(data / "a", tmp_path / "a")
+    bad = corrupt(d, [0, 1, 5])  # 0, 1 and 2 images: the damaged header is the first, second and third
+    dm = make_dm(make_cfg([d]), tiny_tokenizer)
+    n = dm.current_plan().batches_per_rank()
+    batches = take(dm, n)
+    seen = [k for b in batches for k in b["sample_keys"]]
+    assert not set(bad) & set(seen)
+    skipped = sorted(k for b in batches for k, reason, _ in b["meta"]["skips"] if reason == "corrupt_member")
+    assert skipped == sorted(bad)
+    tel = dm.telemetry()
+    assert tel["skips_by_reason"] == {"corrupt_member": 3} and tel["last_epoch_skips"] == {"corrupt_member": 3}
+    assert len(seen) + 3 + len(dm._pos.carry_in) == 70
+
+
+def test_skip_rate_limit_names_dataset_and_reason(data, tiny_tokenizer, tmp_path):
+    d = copy_dataset(data / "a", tmp_path / "a")
+    corrupt(d, list(range(10)))
+    dm = make_dm(make_cfg([d], max_skip_rate=0.1), tiny_tokenizer)
+    with pytest.raises(SkipRateError, match=r"corrupt_member x\d+") as err:
+        take(dm, dm.current_plan().batches_per_rank())
+    assert str(d) in str(err.value)
+
+
+def producer_threads():
+    return [t for t in threading.enumerate() if t.name.startswith("pack-producer")]
+
+
+def test_breaking_out_of_the_loop_leaves_no_thread(data, tiny_tokenizer):
+    gc.collect()
+    before = set(producer_threads())
+    dm = make_dm(make_cfg([data / "a"]), tiny_tokenizer)
+    it = iter(dm.train_dataloader())
+    next(it)
+    assert set(producer_threads()) - before
+    del it  # breaking out of a for loop drops the iterator the same way
+    time.sleep(0.1)
+    assert not set(producer_threads()) - before
+
+    def fail_in_step():
+        for i, _batch in enumerate(dm.train_dataloader()):
+            if i == 2:
+                raise ValueError("loss is nan")
+
+    with pytest.raises(ValueError, match="nan") as err:
+        fail_in_step()
+    del err  # the traceback holds the loop's frame (and so the iterator) until it is dropped
+    gc.collect()
+    time.sleep(0.1)
+    assert not set(producer_threads()) - before
+
+
+def test_validation_is_finite_deterministic_and_unshuffled(data, tiny_tokenizer):
+    dm = make_dm(make_cfg([data / "a"], [data / "val"], num_workers=2), tiny_tokenizer)
+    first = [b["sample_keys"] for b in dm.val_dataloader()]
+    second = [b["sample_keys"] for b in dm.val_dataloader()]
+    assert first == second and len(first) >= 2
+    keys = [k for ks in first for k in ks]
+    assert len(keys) == len(set(keys)) and set(keys) <= set(all_keys(data / "val"))
+    assert len(keys) >= 20  # at most the packs cut to equalise the two workers are left out
+    assert dm.telemetry()["packs"] == 0  # validation never moves the training position
+
+
+def test_padded_baseline_batches(data, tiny_tokenizer):
+    dm = make_dm(make_cfg([data / "a"], packing="pad_to_longest", batch_size=4), tiny_tokenizer)
+    for b in take(dm, 3):
+        n = len(b["sample_keys"])
+        assert n == 4 and b["input_ids"].shape == b["attention_mask"].shape == (4, b["attention_mask"].sum(1).max())
+        assert (b["labels"][:, 0] == -100).all()
+
+
+def test_summary_and_telemetry(data, tiny_tokenizer):
+    dm = make_dm(make_cfg([data / "a", data / "b"], train_weights=[1.0, 2.0]), tiny_tokenizer)
+    s = dm.summary()
+    assert [x["samples"] for x in s["datasets"]] == [70, 25] and s["samples_per_epoch"] == 70 + 50
+    assert s["queue_memory_mb"] > 0 and 0.5 < s["planned_fill"] <= 1.0
+    batches = take(dm, 5)
+    tel = dm.telemetry()
+    assert tel["packs"] == 5 and tel["samples"] == sum(len(b["sample_keys"]) for b in batches)
+    assert tel["real_tokens"] == sum(b["meta"]["real_tokens"] for b in batches) and tel["slots"] == 5 * 256
+    assert tel["images"] == sum(b["pixel_values"].shape[0] for b in batches) and tel["data_wait_s"] > 0
+    assert dm.telemetry()["packs"] == 0  # counters reset on read

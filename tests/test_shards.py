@@ -1,0 +1,145 @@
+"""Epoch plan from index metadata only: order, mixing, split over ranks x workers, carry, elastic re-plan."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from nanovlm.data.shards import (
+    PackSpec,
+    PlanError,
+    SampleTable,
+    Segment,
+    Topology,
+    build_epoch_plan,
+    epoch_order,
+    plan_order,
+)
+
+
+def make_table(shard_sizes_per_dir, seed=0, image_token_count=4, max_text=300):
+    """A SampleTable over synthetic index columns (no files needed: planning never reads shards)."""
+    rng = np.random.default_rng(seed)
+    datasets = []
+    for d, sizes in enumerate(shard_sizes_per_dir):
+        shards = []
+        for s, n in enumerate(sizes):
+            shards.append(
+                {
+                    "path": f"/data/d{d}/shard-{s:06d}.tar",
+                    "keys": [f"d{d}s{s}k{i}" for i in range(n)],
+                    "offsets": [512 * 4 * i for i in range(n)],
+                    "nbytes": [512 * 4] * n,
+                    "text_tokens": rng.integers(5, max_text, n).tolist(),
+                    "n_images": rng.integers(0, 3, n).tolist(),
+                }
+            )
+        datasets.append((f"d{d}", shards))
+    return SampleTable.from_shard_columns(datasets, image_token_count)
+
+
+UNEVEN = [[50, 3, 1, 20, 7, 33]]
+SPEC = PackSpec(max_tokens=512, max_images=8, lookahead=16, max_carry=4)
+
+
+def test_epoch_order_is_a_deterministic_bounded_shuffle():
+    t = make_table(UNEVEN)
+    a = epoch_order(t, seed=1, epoch=0, shuffle_buffer=8)
+    assert sorted(a.tolist()) == list(range(len(t)))
+    assert np.array_equal(a, epoch_order(t, seed=1, epoch=0, shuffle_buffer=8))
+    assert not np.array_equal(a, epoch_order(t, seed=1, epoch=1, shuffle_buffer=8))
+    assert not np.array_equal(a, epoch_order(t, seed=2, epoch=0, shuffle_buffer=8))
+    # the window shuffle moves no sample further than the buffer from its place in the shard order
+    base = epoch_order(t, seed=1, epoch=0, shuffle_buffer=0)
+    where = {g: i for i, g in enumerate(base.tolist())}
+    assert max(abs(where[g] - i) for i, g in enumerate(a.tolist())) <= 8
+    assert not np.array_equal(a, base)
+    # shards stay contiguous without the window shuffle
+    shard_runs = [t.shard[g] for g in base]
+    assert sum(1 for i in range(1, len(shard_runs)) if shard_runs[i] != shard_runs[i - 1]) == 5
+    # validation order: stored order
+    assert epoch_order(t, 1, 0, shuffle=False).tolist() == list(range(len(t)))
+
+
+def test_mixing_weights():
+    t = make_table([[30, 30], [10, 10, 10]])
+    order = epoch_order(t, seed=0, epoch=0, weights=[2.0, 0.5], shuffle_buffer=4)
+    counts = np.bincount(order, minlength=len(t))
+    assert (counts[:60] == 2).all()  # weight 2: every sample twice
+    assert counts[60:].sum() == 15 and counts[60:].max() == 1  # weight 0.5: a seeded half
+    other = epoch_order(t, seed=0, epoch=1, weights=[2.0, 0.5], shuffle_buffer=4)
+    assert set(order[order >= 60].tolist()) != set(other[other >= 60].tolist())  # a different half each epoch
+    # directories are interleaved over the epoch, not concatenated
+    first_half = order[: len(order) // 2]
+    assert 5 <= (first_half >= 60).sum() <= 10
+
+
+def check_partition(plan, table, packed=True):
+    """Packs of all slots + carry + skips cover every position of the order exactly once."""
+    positions = [plan.pack(s, k) for s in range(plan.topology.num_slots) for k in range(plan.packs_per_slot)]
+    used = np.concatenate(positions).tolist()
+    assert len(used) == len(set(used))
+    carried = plan.carry_out.tolist()
+    skipped = np.concatenate(list(plan.skipped.values()) or [np.zeros(0, int)]).tolist()
+    assert sorted(plan.order[used].tolist() + carried + plan.order[skipped].tolist()) == sorted(plan.order.tolist())
+    for p in positions if packed else []:
+        assert plan.lengths[p].sum() <= SPEC.max_tokens and table.n_images[plan.order[p]].sum() <= SPEC.max_images
+
+
+@pytest.mark.parametrize("world_size,workers", [(1, 0), (1, 2), (2, 1), (2, 2), (3, 2), (4, 1)])
+def test_plan_partitions_every_epoch_over_ranks_and_workers(world_size, workers):
+    t = make_table(UNEVEN)
+    topo = Topology(world_size, workers)
+    plan = build_epoch_plan(t, SPEC, topo, seed=3, epoch=0, shuffle_buffer=8)
+    check_partition(plan, t)
+    assert plan.packs_per_slot >= 1 and plan.batches_per_rank() == plan.packs_per_slot * max(1, workers)
+    # balanced in tokens: slot chunks differ by less than one sample
+    chunk_tokens = [plan.lengths[plan.slot_bounds[s] : plan.slot_bounds[s + 1]].sum() for s in range(topo.num_slots)]
+    assert max(chunk_tokens) - min(chunk_tokens) <= 2 * t.length.max()
+    # the same plan on every rank (pure function), and the carry opens the next epoch
+    again = build_epoch_plan(t, SPEC, topo, seed=3, epoch=0, shuffle_buffer=8)
+    assert np.array_equal(plan.pack_items, again.pack_items) and np.array_equal(plan.carry_out, again.carry_out)
+    nxt = build_epoch_plan(t, SPEC, topo, seed=3, epoch=1, carry_in=plan.carry_out, shuffle_buffer=8)
+    assert nxt.order[: len(plan.carry_out)].tolist() == plan.carry_out.tolist()
+    check_partition(nxt, t)
+
+
+def test_plan_refuses_too_many_slots():
+    t = make_table([[3]])
+    with pytest.raises(PlanError, match="at least one batch"):
+        plan_order(t, SPEC, Topology(4, 2), epoch_order(t, 0, 0))
+
+
+def test_padded_modes_plan_fixed_batches():
+    t = make_table(UNEVEN)
+    spec = PackSpec(mode="pad_to_longest", max_tokens=512, batch_size=4)
+    plan = build_epoch_plan(t, spec, Topology(2, 1), seed=0, epoch=0)
+    k = plan.packs_per_slot
+    assert {len(plan.pack(s, j)) for s in range(2) for j in range(k - 1)} == {4}  # fixed size but the last
+    assert all(1 <= len(plan.pack(s, k - 1)) <= 4 for s in range(2))
+    check_partition(plan, t, packed=False)
+
+
+@pytest.mark.parametrize("old,new", [((2, 2), (1, 2)), ((1, 1), (3, 1)), ((2, 1), (3, 2))])
+def test_elastic_replan_continues_the_epoch_without_loss_or_repeat(old, new):
+    t = make_table(UNEVEN)
+    old_plan = build_epoch_plan(t, SPEC, Topology(*old), seed=5, epoch=2, shuffle_buffer=8)
+    consumed = old_plan.batches_per_rank() // 2 + 1
+    done = old_plan.consumed_positions(consumed)
+    rest = build_epoch_plan(
+        t, SPEC, Topology(*new), seed=5, epoch=2, history=[Segment(*old, consumed)], shuffle_buffer=8
+    )
+    check_partition(rest, t)
+    got_old = old_plan.order[done].tolist()
+    got_new = [
+        g
+        for s in range(rest.topology.num_slots)
+        for k in range(rest.packs_per_slot)
+        for g in rest.order[rest.pack(s, k)]
+    ]
+    skipped = [g for p in old_plan.skipped.values() for g in old_plan.order[p]]
+    everything = sorted(got_old + got_new + rest.carry_out.tolist() + skipped)
+    assert everything == sorted(old_plan.order.tolist())  # each sample of the epoch exactly once
+    # consumed positions: batch b of a rank = local slot b % W, pack b // W
+    w = max(1, old[1])
+    assert len(done) == sum(len(old_plan.pack(r * w + b % w, b // w)) for r in range(old[0]) for b in range(consumed))
