@@ -48,11 +48,15 @@ def ensure_data(cfg: Config) -> None:
     """Build the procedural demo dataset and tokenizer on first use when the config asks for it."""
     if not cfg.data.make_demo_if_missing:
         return
+    from nanovlm.config import image_token_count
     from nanovlm.data.demo import ensure_demo_data
 
-    lock = Path(cfg.data.tokenizer).parent / ".demo.lock"
-    with file_lock(lock):
-        ensure_demo_data(cfg.data)
+    needed = [Path(p) for p in (*cfg.data.train, *cfg.data.val, cfg.data.tokenizer)]
+    if all(p.exists() for p in needed):
+        return
+    root = Path(cfg.data.tokenizer).parent  # data/demo holds tokenizer/, train/ and val/
+    with file_lock(root.parent / f".{root.name}.lock"):
+        ensure_demo_data(root, image_token_count=image_token_count(cfg.model))
 
 
 def build_loggers(cfg: Config) -> list[Any]:

@@ -1,0 +1,138 @@
+"""End-of-run evaluation: answer accuracy on held-out samples, next to chance, and a few generated answers.
+
+Uses validation samples whose json carries a short expected ``"answer"`` (the demo data does; so can yours).
+For each one the model greedily generates the last assistant turn from the conversation before it; the
+answer counts as correct when the generated text equals the expected one (case and surrounding punctuation
+ignored). Chance is the mean chance level of the evaluated samples' tasks when the data says its task (the
+demo data), else the accuracy of always answering the most common expected answer.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from typing import Any
+
+import torch
+
+from nanovlm.config import Config, image_token_count
+
+
+def normalize_answer(text: str) -> str:
+    return re.sub(r"^[\W_]+|[\W_]+$", "", text.strip().lower())
+
+
+def iter_answered_records(directories: list[str], limit: int):
+    """The first ``limit`` records with an ``answer`` across ``directories``, in index order."""
+    from nanovlm.data.index import load_index
+    from nanovlm.data.reader import ShardReader
+
+    reader = ShardReader()
+    found = 0
+    try:
+        for d in directories:
+            idx = load_index(d)
+            for shard in idx.shards:
+                path = str(idx.root / shard.name)
+                for key, off, nb in zip(shard.keys, shard.offsets, shard.nbytes):
+                    record = reader.read(path, off, nb, key)
+                    if "answer" not in record.extra or record.messages[-1]["role"] != "assistant":
+                        continue
+                    yield record
+                    found += 1
+                    if found >= limit:
+                        return
+    finally:
+        reader.close()
+
+
+@torch.no_grad()
+def evaluate_answers(
+    model: torch.nn.Module, tokenizer: Any, cfg: Config, directories: list[str], limit: int, max_new_tokens: int = 8
+) -> dict[str, Any]:
+    """Greedy-decode the final answer of up to ``limit`` held-out samples. Returns accuracy, chance and rows."""
+    from nanovlm.data.processing import SampleProcessor
+    from nanovlm.data.tokenizer import IM_END
+
+    processor = SampleProcessor(
+        tokenizer, cfg.model.vision.image_size, image_token_count(cfg.model), cfg.data.image_resize
+    )
+    eos = tokenizer.convert_tokens_to_ids(IM_END)
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    rows = []
+    try:
+        for record in iter_answered_records(directories, limit):
+            prompt = torch.tensor([processor.prompt_ids(record.messages[:-1])], device=device)
+            pixels = None
+            if record.images:
+                pixels = torch.stack([processor.image(b, record.key) for b in record.images]).to(device)
+            new = model.generate(prompt, pixels, max_new_tokens=max_new_tokens, eos_token_id=eos)[0].tolist()
+            text = tokenizer.decode([t for t in new if t != eos], skip_special_tokens=True)
+            expected = str(record.extra["answer"])
+            question = record.messages[-2]["content"].replace("<image>", "").strip()
+            rows.append(
+                {
+                    "key": record.key,
+                    "task": record.extra.get("task"),
+                    "question": question,
+                    "expected": expected,
+                    "generated": text.strip(),
+                    "correct": normalize_answer(text) == normalize_answer(expected),
+                }
+            )
+    finally:
+        model.train(was_training)
+    n = len(rows)
+    accuracy = sum(r["correct"] for r in rows) / n if n else 0.0
+    return {"n": n, "accuracy": accuracy, "chance": chance_level(rows), "rows": rows}
+
+
+def chance_level(rows: list[dict]) -> float | None:
+    if not rows:
+        return None
+    if all(r["task"] is not None for r in rows):
+        from nanovlm.data.demo import TASKS
+
+        if all(r["task"] in TASKS and TASKS[r["task"]][1] is not None for r in rows):
+            return sum(TASKS[r["task"]][1] for r in rows) / len(rows)
+    majority = Counter(normalize_answer(r["expected"]) for r in rows).most_common(1)[0][1]
+    return majority / len(rows)
+
+
+def format_report(result: dict[str, Any], examples: int = 6) -> str:
+    rows = result["rows"]
+    if not rows:
+        return "[eval] no held-out samples with an 'answer' field: skipped"
+    chance = result["chance"]
+    lines = [
+        f"[eval] held-out answer accuracy: {result['accuracy']:.1%} on {result['n']} samples"
+        + (f" (chance {chance:.1%})" if chance is not None else "")
+    ]
+    by_task: dict[str, list[bool]] = {}
+    for r in rows:
+        by_task.setdefault(r["task"] or "all", []).append(r["correct"])
+    if len(by_task) > 1:
+        lines.append("[eval] by task: " + ", ".join(f"{t} {sum(v)}/{len(v)}" for t, v in sorted(by_task.items())))
+    for r in rows[:examples]:
+        mark = "ok " if r["correct"] else "bad"
+        lines.append(f"  [{mark}] {r['question'][:60]!r:64} expected {r['expected']!r:10} got {r['generated']!r}")
+    return "\n".join(lines)
+
+
+def evaluate_at_end(cfg: Config, module: Any, datamodule: Any, trainer: Any) -> dict[str, Any] | None:
+    """Run ``evaluate_answers`` on rank 0 after training (single process or DDP; FSDP shards the weights,
+    so there it is skipped with a message). Prints the report and returns the result on rank 0."""
+    if not cfg.data.val or cfg.trainer.eval_samples <= 0:
+        return None
+    if cfg.trainer.strategy == "fsdp":
+        if trainer.is_global_zero:
+            print("[eval] skipped under FSDP (sharded weights); evaluate a checkpoint in a single process")
+        return None
+    result = None
+    if trainer.is_global_zero:
+        result = evaluate_answers(module.model, datamodule.tokenizer, cfg, cfg.data.val, cfg.trainer.eval_samples)
+        print(format_report(result), flush=True)
+    trainer.strategy.barrier("eval_at_end")
+    return result
