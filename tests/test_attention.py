@@ -1,5 +1,6 @@
 """Varlen attention: the sdpa backend equals a naive per-segment reference; backend selection and errors."""
 
+import importlib
 import logging
 import math
 
@@ -92,3 +93,51 @@ def test_unknown_backend_and_bad_shapes():
         attention(q, k, v, cu, max_len, causal=True, backend="sdpa")
     with pytest.raises(ValueError, match="THD"):
         attention(q[None], k[None], v[None], cu, max_len, causal=True, backend="sdpa")
+
+
+def _reference_kernel(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, causal, gqa_allowed):
+    assert cu_seq_q is cu_seq_k and max_q == max_k
+    if key.shape[1] != query.shape[1] and not gqa_allowed:
+        raise RuntimeError("this signature has no GQA: kv heads must have been expanded")
+    return naive_attention(query, key, value, cu_seq_q, causal)
+
+
+def varlen_attn_2_10(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, is_causal=False):
+    """The keyword signature of torch 2.10's varlen_attn (no window_size, no enable_gqa)."""
+    return _reference_kernel(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal, gqa_allowed=False)
+
+
+def varlen_attn_2_13(
+    query,
+    key,
+    value,
+    cu_seq_q,
+    cu_seq_k,
+    max_q,
+    max_k,
+    *,
+    return_aux=None,
+    scale=None,
+    window_size=(-1, -1),
+    enable_gqa=False,
+):
+    """The keyword signature of torch 2.13's varlen_attn (window_size (-1, 0) = causal, enable_gqa)."""
+    assert window_size in ((-1, -1), (-1, 0))
+    return _reference_kernel(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, window_size == (-1, 0), enable_gqa)
+
+
+@pytest.mark.parametrize("fn", [varlen_attn_2_10, varlen_attn_2_13], ids=["torch-2.10", "torch-2.13"])
+@pytest.mark.parametrize("causal", [True, False])
+def test_torch_varlen_adapter_handles_both_signatures(monkeypatch, fn, causal):
+    """The CUDA kernel cannot run here; its Python signature can. The adapter must pass causality and GQA in
+    the form each torch version understands (a signature-faithful stand-in computes the reference)."""
+    attn_mod = importlib.import_module("nanovlm.model.attention")
+
+    attn_mod._torch_varlen_params.cache_clear()
+    monkeypatch.setattr(attn_mod, "_torch_varlen_fn", lambda: fn)
+    try:
+        q, k, v, cu, max_len = make_inputs([5, 9, 3], 6, 2, 8)
+        got = attn_mod._torch_varlen(q, k, v, cu, max_len, causal)
+        torch.testing.assert_close(got, naive_attention(q, k, v, cu, causal), atol=1e-6, rtol=1e-6)
+    finally:
+        attn_mod._torch_varlen_params.cache_clear()

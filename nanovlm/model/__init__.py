@@ -5,6 +5,8 @@ Plain PyTorch (no Lightning, no torch.distributed). Entry points:
 - ``build_model(model_cfg, tokenizer)``: resolves the vocabulary and the ``<image>`` id, loads pretrained
   weights when configured.
 - ``num_parameters(model)`` and ``flops_per_token(model_cfg, vocab_size, seq_len)`` for summaries and MFU.
+- ``nanovlm.model.attention.attention(q, k, v, cu_seqlens, max_seqlen, causal, backend)``: varlen attention
+  (the submodule keeps its name: the function is deliberately not re-exported here).
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from __future__ import annotations
 import logging
 
 from nanovlm.config import ModelConfig, image_token_count
-from nanovlm.model.attention import BackendUnavailableError, attention, resolve_backend
+from nanovlm.model.attention import BackendUnavailableError, resolve_backend
 from nanovlm.model.pretrained import CheckpointMismatchError, load_language_weights, load_vision_weights
 from nanovlm.model.vlm import NanoVLM
 
@@ -20,7 +22,6 @@ __all__ = [
     "BackendUnavailableError",
     "CheckpointMismatchError",
     "NanoVLM",
-    "attention",
     "build_model",
     "flops_per_image",
     "flops_per_token",

@@ -89,7 +89,9 @@ class NanoVLM(nn.Module):
         if n_images:
             image_embeds = self.encode_images(pixel_values).to(embeds.dtype)  # [n, itc, hidden]
             embeds = embeds.masked_scatter(is_image[..., None], image_embeds)
-        elif torch.is_grad_enabled() and any(p.requires_grad for p in self.vision.parameters()):
+        elif torch.is_grad_enabled() and any(
+            p.requires_grad for p in (*self.vision.parameters(), *self.projector.parameters())
+        ):
             # A pack without images still runs the vision path on one blank image, scaled by zero: every
             # parameter then takes part in the graph (gradient 0), as DDP requires of each rank at each step.
             size = self.cfg.vision.image_size
