@@ -1,0 +1,127 @@
+"""Demo data: deterministic, held out, answers determined by the images, ensure_demo_data builds once."""
+
+import hashlib
+import io
+import time
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from nanovlm.data.demo import (
+    BACKGROUNDS,
+    CHANCE_ACCURACY,
+    COLOURS,
+    TASKS,
+    ensure_demo_data,
+    generate_records,
+    make_demo_data,
+)
+from nanovlm.data.format import IMAGE_PLACEHOLDER
+from nanovlm.data.index import load_index, read_sample
+from nanovlm.data.tokenizer import load_tokenizer, tokenizer_fingerprint
+
+
+def tree_digest(root):
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
+
+
+def colour_fractions(data: bytes, table: dict) -> dict[str, float]:
+    """Fraction of pixels within a small distance of each named colour."""
+    arr = np.asarray(Image.open(io.BytesIO(data)).convert("RGB")).reshape(-1, 3).astype(int)
+    return {name: float((np.abs(arr - np.array(rgb)).sum(1) < 60).mean()) for name, rgb in table.items()}
+
+
+def shape_colour(data: bytes) -> str:
+    fr = colour_fractions(data, COLOURS)
+    name = max(fr, key=fr.get)
+    assert fr[name] > 0.03 and sorted(fr.values())[-2] < 0.01, fr  # one clear shape colour
+    return name
+
+
+def shape_area(data: bytes) -> float:
+    return max(colour_fractions(data, COLOURS).values())
+
+
+def test_answers_are_determined_by_the_image():
+    counts = {t: 0 for t in TASKS}
+    for r in generate_records(300, "train", seed=3):
+        task = r.extra["task"]
+        counts[task] += 1
+        assert sum(m["content"].count(IMAGE_PLACEHOLDER) for m in r.messages) == len(r.images)
+        if "answer" in r.extra:
+            assert r.extra["answer"] == r.messages[-1]["content"]
+        if task in ("colour", "multi_turn"):
+            assert shape_colour(r.images[0]) == r.messages[1]["content"]
+        if task == "background":
+            fr = colour_fractions(r.images[0], BACKGROUNDS)
+            assert max(fr, key=fr.get) == r.extra["answer"] and fr[r.extra["answer"]] > 0.2
+        if task == "same_colour":
+            same = shape_colour(r.images[0]) == shape_colour(r.images[1])
+            assert r.extra["answer"] == ("yes" if same else "no")
+        if task == "compare_size":
+            a, b = shape_area(r.images[0]), shape_area(r.images[1])
+            assert r.extra["answer"] == ("first" if a > b else "second")
+    assert all(counts[t] > 0 for t in TASKS), counts  # every task occurs
+    assert 0.25 < CHANCE_ACCURACY < 0.40
+
+
+def test_deterministic_and_held_out(tmp_path):
+    make_demo_data(tmp_path / "a", train_samples=40, val_samples=12, samples_per_shard=16)
+    make_demo_data(tmp_path / "b", train_samples=40, val_samples=12, samples_per_shard=16)
+    assert tree_digest(tmp_path / "a") == tree_digest(tmp_path / "b")
+    tr, va = load_index(tmp_path / "a" / "train"), load_index(tmp_path / "a" / "val")
+    assert tr.num_samples == 40 and va.num_samples == 12 and [s.num_samples for s in tr.shards] == [16, 16, 8]
+    tok = load_tokenizer(tmp_path / "a" / "tokenizer")
+    assert tr.tokenizer == va.tokenizer == tokenizer_fingerprint(tok)
+    assert len(tok) <= 512
+    train_imgs = {r.images[0] for r in generate_records(40, "train") if r.images}
+    val_imgs = {r.images[0] for r in generate_records(12, "val") if r.images}
+    assert not train_imgs & val_imgs
+    # The answer is stored in the sample json.
+    members = read_sample(tr.shard_path(0), tr.shards[0].offsets[0], tr.shards[0].nbytes[0])
+    first = next(generate_records(1, "train"))
+    assert b'"task":"' + first.extra["task"].encode() in members["json"]
+
+
+def test_ensure_demo_data_builds_once(tmp_path):
+    root = tmp_path / "data" / "demo"
+    kw = dict(train_samples=20, val_samples=5, samples_per_shard=50)
+    assert ensure_demo_data(root, **kw) == root
+    assert sorted(p.name for p in root.iterdir()) == ["tokenizer", "train", "val"]
+    assert not [p for p in root.parent.iterdir() if p.name.startswith(".")]  # temp dir cleaned up
+    stamp = (root / "train" / "index.json").stat().st_mtime_ns
+    ensure_demo_data(root, **kw)
+    assert (root / "train" / "index.json").stat().st_mtime_ns == stamp  # not rebuilt
+    # A missing part is filled in, the rest is kept.
+    import shutil
+
+    shutil.rmtree(root / "val")
+    ensure_demo_data(root, **kw)
+    assert load_index(root / "val").num_samples == 5
+    assert (root / "train" / "index.json").stat().st_mtime_ns == stamp
+
+
+def test_cli_rejects_empty_output():
+    from nanovlm.cli.make_demo_data import main
+
+    with pytest.raises(SystemExit, match="--output"):
+        main(["--output", ""])
+
+
+@pytest.mark.slow
+def test_default_size_is_fast_and_long_tailed(tmp_path):
+    t0 = time.perf_counter()
+    info = make_demo_data(tmp_path / "demo")
+    elapsed = time.perf_counter() - t0
+    assert info["train_samples"] == 3000 and info["val_samples"] == 300
+    assert elapsed < 60, elapsed
+    idx = load_index(tmp_path / "demo" / "train")
+    tokens = np.array(idx.total_tokens(16))
+    n_img = np.array([n for s in idx.shards for n in s.n_images])
+    assert set(n_img.tolist()) == {0, 1, 2}
+    assert np.percentile(tokens, 50) < 60 and tokens.max() > 200  # short median, long tail
