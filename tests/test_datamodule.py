@@ -248,3 +248,15 @@ def test_summary_and_telemetry(data, tiny_tokenizer):
     assert tel["real_tokens"] == sum(b["meta"]["real_tokens"] for b in batches) and tel["slots"] == 5 * 256
     assert tel["images"] == sum(b["pixel_values"].shape[0] for b in batches) and tel["data_wait_s"] > 0
     assert dm.telemetry()["packs"] == 0  # counters reset on read
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_planned_overlength_skips_are_counted_once_per_epoch(data, tiny_tokenizer, workers):
+    cfg = make_cfg([data / "a"], max_tokens=96, num_workers=workers)
+    dm = make_dm(cfg, tiny_tokenizer)
+    over = int((dm.table.length > 96).sum())
+    assert over > 0
+    seen = [k for b in take(dm, dm.current_plan().batches_per_rank()) for k in b["sample_keys"]]
+    tel = dm.telemetry()
+    assert tel["skips_by_reason"] == {"overlength": over} and tel["last_epoch_skips"] == {"overlength": over}
+    assert len(seen) + over + len(dm._pos.carry_in) == 70

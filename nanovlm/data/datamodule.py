@@ -123,8 +123,11 @@ class _PackStream(IterableDataset):
                 gids = plan.order[positions]
                 extra: dict[str, Any] = {"epoch": pos.epoch, "index": k * spr + local, "slot": slot}
                 if k == 0:  # the skips the planner made in this slot's chunk, reported once per epoch
+                    # plain dicts: torch's default_convert/pin_memory copy a mapping and then update() it, which
+                    # would add a Counter's counts twice
                     extra["planned_skips"] = {
-                        r: Counter(s.table.dataset[plan.order[p]].tolist()) for r, p in plan.slot_skips(slot).items()
+                        r: dict(Counter(s.table.dataset[plan.order[p]].tolist()))
+                        for r, p in plan.slot_skips(slot).items()
                     }
                 yield PlannedPack(
                     pos.epoch,
