@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 
 import pytest
 import torch
@@ -304,17 +305,277 @@ def test_corrupt_header_is_detected_when_the_sample_is_read(dataset):
         assert read_sample(path, shard.offsets[i], shard.nbytes[i], expected_key=shard.keys[i])
 
 
-@pytest.mark.xfail(strict=True, reason="open gap: read_sample stops silently at a bad header inside the range")
-def test_corrupt_header_inside_a_sample_is_not_a_silent_partial_read(dataset):
-    """A bad header on a sample's *last* member: tarfile stops there without an error, so a reader that trusts
-    it returns the sample without that member. The recorded byte range says more data is there: it must fail."""
+# ----------------------------------------------------------------------------------------------------------
+# the DataModule stream: skipped, counted per reason and epoch, logged; nothing else lost
+
+N_SAMPLES = 24
+MAX_TOKENS = 256
+
+
+def fault_records(n: int = N_SAMPLES, long_key: str | None = "s00023"):
+    """``n`` one-image samples ``s00000``..; ``long_key`` gets an answer longer than MAX_TOKENS."""
+    for i in range(n):
+        key = f"s{i:05d}"
+        answer = "red " * 400 if key == long_key else f"answer {i} is a red square"
+        # 48x48 noise-like gradient PNG: ~7 KB, so replacing it changes the member size
+        yield Record(key, conversation(1, answer=answer)["messages"], [png((48, 48), seed=i)])
+
+
+def make_fault_dataset(path, tokenizer, n: int = N_SAMPLES, long_key: str | None = "s00023"):
+    from nanovlm.data.prepare import write_dataset
+
+    return write_dataset(fault_records(n, long_key), path, tokenizer, image_token_count=16, samples_per_shard=8)
+
+
+def data_module(path, tokenizer, **overrides):
+    from nanovlm.config import load_config
+    from nanovlm.data.datamodule import PackedMultimodalDataModule
+
+    base = {
+        "data.train": f"[{path}]",
+        "data.val": "[]",
+        "data.make_demo_if_missing": "false",
+        "data.max_tokens": str(MAX_TOKENS),
+        "data.num_workers": "0",
+        "data.max_skip_rate": "1.0",
+    }
+    base.update({k: str(v) for k, v in overrides.items()})
+    cfg = load_config(["tiny_cpu.yaml"], [f"{k}={v}" for k, v in base.items()])
+    dm = PackedMultimodalDataModule(cfg.data, cfg.model, tokenizer=tokenizer)
+    dm.setup("fit")
+    return dm
+
+
+def run_epochs(dm, epochs: int = 1) -> list[list[str]]:
+    """Train-loop-like consumption of ``epochs`` data epochs; per epoch the delivered keys, in order."""
+    out: list[list[str]] = [[] for _ in range(epochs)]
+    for batch in dm.train_dataloader():
+        epoch = batch["meta"]["epoch"]
+        if epoch >= epochs:
+            break
+        out[epoch] += batch["sample_keys"]
+        dm.on_batch_consumed(batch)
+    return out
+
+
+# key -> (member suffix to replace, new bytes, reason the sample must be skipped with)
+def injected_faults() -> dict[str, tuple[str, bytes, str]]:
+    bad = bad_json_variants()
+    return {
+        "s00001": ("0.png", not_an_image(), "unreadable_image"),
+        "s00003": ("0.png", truncated_jpeg(), "unreadable_image"),
+        "s00005": ("0.png", bomb_png(), "image_too_large"),
+        "s00008": ("json", bad["unparseable"][0], "bad_json"),
+        "s00010": ("json", bad["missing_messages"][0], "missing_messages"),
+        "s00012": ("json", bad["content_not_str"][0], "missing_messages"),
+        "s00014": ("json", bad["no_assistant_turn"][0], "no_assistant_turn"),
+        "s00017": ("json", bad["placeholder_mismatch"][0], "image_count_mismatch"),
+        "s00019": ("json", bad["invalid_utf8"][0], "bad_utf8"),
+    }
+
+
+# good samples whose images are unusual but valid: they must be delivered
+UNUSUAL_BUT_VALID = {
+    "s00002": png_named_jpg(),
+    "s00004": grayscale_png(),
+    "s00006": cmyk_jpeg(),
+    "s00009": palette_png(),
+}
+CORRUPT_HEADER_KEY = "s00020"
+
+
+@pytest.fixture
+def faulty(tmp_path, tiny_tokenizer):
+    """(clean dataset dir, faulty copy, {bad key: reason}): same index plan, faults visible only when read."""
+    from faults import rewrite_shard
+
+    clean, bad = tmp_path / "clean", tmp_path / "bad"
+    make_fault_dataset(clean, tiny_tokenizer)
+    make_fault_dataset(bad, tiny_tokenizer)
+    faults_by_key = injected_faults()
+
+    def edit(key, suffix, data):
+        if key in faults_by_key and faults_by_key[key][0] == suffix:
+            return faults_by_key[key][1]
+        if key in UNUSUAL_BUT_VALID and suffix == "0.png":
+            return UNUSUAL_BUT_VALID[key]
+        return data
+
+    for shard in range(3):
+        rewrite_shard(bad, shard, edit)
+    index = load_index(bad)
+    shard = index.shards[2]
+    i = shard.keys.index(CORRUPT_HEADER_KEY)
     from faults import member_spans
 
-    index = load_index(dataset)
-    shard = index.shards[0]
-    path = index.shard_path(0)
-    i = next(i for i, n in enumerate(shard.n_images) if n == 2)  # a sample with members 0.*, 1.*, json
-    names = [name for name, _, _ in member_spans(path)]
-    corrupt_header(path, names.index(f"{shard.keys[i]}.json"))
-    with pytest.raises(ValueError, match=path.name):
-        read_sample(path, shard.offsets[i], shard.nbytes[i], expected_key=shard.keys[i])
+    starts = [start for _, start, _ in member_spans(index.shard_path(2))]
+    corrupt_header(index.shard_path(2), starts.index(shard.offsets[i]))
+    expected = {k: v[2] for k, v in faults_by_key.items()}
+    expected[CORRUPT_HEADER_KEY] = "corrupt_member"
+    return clean, bad, expected
+
+
+def test_every_bad_sample_is_skipped_and_counted_by_reason_and_nothing_else_is_lost(faulty, tiny_tokenizer, caplog):
+    from collections import Counter
+
+    clean, bad, expected = faulty
+    clean_keys = run_epochs(data_module(clean, tiny_tokenizer))[0]
+    assert "s00023" not in clean_keys  # over-length: a planned skip in both runs
+    assert sorted(clean_keys) == [f"s{i:05d}" for i in range(N_SAMPLES - 1)]
+
+    dm = data_module(bad, tiny_tokenizer)
+    with caplog.at_level("WARNING"):
+        keys = run_epochs(dm)[0]
+    # exactly the clean stream minus the bad samples, in the same order: no loss, no duplicate, no reorder
+    assert keys == [k for k in clean_keys if k not in expected]
+    for k in UNUSUAL_BUT_VALID:
+        assert k in keys
+    want = Counter(expected.values())
+    tel = dm.telemetry()
+    want["overlength"] += 1  # s00023: planned by the packer from the index, counted the same way
+    assert tel["skips_by_reason"] == dict(want)
+    assert tel["last_epoch_skips"] == dict(want)  # per epoch
+    assert tel["samples"] == len(keys)
+    logged = caplog.text
+    for key, reason in expected.items():  # each skip is logged with its key, shard and reason
+        assert re.search(rf"skipped sample {key} \(\S+/bad/shard-\d{{6}}\.tar\) \({reason}\)", logged), key
+
+
+def test_planned_overlength_skip_is_counted_once(tmp_path, tiny_tokenizer):
+    """One over-length sample in the index -> exactly one 'overlength' skip per epoch (planned by the packer)."""
+    path = tmp_path / "ds"
+    make_fault_dataset(path, tiny_tokenizer)
+    dm = data_module(path, tiny_tokenizer)
+    keys = run_epochs(dm)[0]
+    assert len(keys) == N_SAMPLES - 1
+    tel = dm.telemetry()
+    assert tel["skips_by_reason"] == {"overlength": 1}
+    assert tel["last_epoch_skips"] == {"overlength": 1}
+
+
+def test_skips_are_counted_again_in_every_epoch(faulty, tiny_tokenizer):
+    from collections import Counter
+
+    _, bad, expected = faulty
+    dm = data_module(bad, tiny_tokenizer)
+    per_epoch = []
+    for batch in dm.train_dataloader():
+        if batch["meta"]["epoch"] >= 2:
+            break
+        dm.on_batch_consumed(batch)
+        if dm.telemetry()["epoch"] == len(per_epoch) + 1:  # an epoch just ended
+            per_epoch.append(dm.telemetry()["last_epoch_skips"])
+    want = Counter(expected.values())
+    want["overlength"] += 1
+    assert per_epoch == [dict(want), dict(want)]
+
+
+def test_corrupt_header_inside_a_sample_is_a_counted_skip_not_a_partial_sample(tmp_path, tiny_tokenizer):
+    """A bad header on a sample's *last* member: Python's tarfile stops there without an error, so a reader that
+    trusts it would see the sample without its json (a wrong reason) or without one image. The recorded byte
+    range says more data is there: the sample is skipped as corrupt_member."""
+    from faults import member_spans
+
+    path = tmp_path / "ds"
+    make_fault_dataset(path, tiny_tokenizer, long_key=None)
+    shard = path / "shard-000001.tar"
+    names = [name for name, _, _ in member_spans(shard)]
+    corrupt_header(shard, names.index("s00012.json"))
+    dm = data_module(path, tiny_tokenizer)
+    keys = run_epochs(dm)[0]
+    assert sorted(keys) == [f"s{i:05d}" for i in range(N_SAMPLES) if i != 12]
+    assert dm.telemetry()["skips_by_reason"] == {"corrupt_member": 1}
+
+
+def test_skip_rate_above_threshold_is_an_error_naming_the_dataset_and_reasons(faulty, tiny_tokenizer):
+    from nanovlm.data.datamodule import SkipRateError
+
+    _, bad, _ = faulty
+    dm = data_module(bad, tiny_tokenizer, **{"data.max_skip_rate": 0.1})  # 11 of 24 skipped
+    with pytest.raises(SkipRateError) as exc:
+        run_epochs(dm)
+    msg = str(exc.value)
+    assert str(bad) in msg and "data.max_skip_rate=0.1" in msg
+    assert "unreadable_image" in msg or "missing_messages" in msg
+
+
+def test_skip_rate_below_threshold_trains_on(tmp_path, tiny_tokenizer):
+    """2 bad samples of 24 (8%) under max_skip_rate=0.1: counted, no error; a third one (12.5%) fails."""
+    from faults import rewrite_shard
+
+    from nanovlm.data.datamodule import SkipRateError
+
+    path = tmp_path / "ds"
+    make_fault_dataset(path, tiny_tokenizer, long_key=None)
+    broken = {"s00001"}
+    rewrite_shard(path, 0, lambda k, s, d: not_an_image() if k in broken and s == "0.png" else d)
+    broken.add("s00010")
+    rewrite_shard(path, 1, lambda k, s, d: not_an_image() if k in broken and s == "0.png" else d)
+    dm = data_module(path, tiny_tokenizer, **{"data.max_skip_rate": 0.1})
+    keys = run_epochs(dm)[0]
+    assert len(keys) == 22 and not broken & set(keys)
+    assert dm.telemetry()["skips_by_reason"] == {"unreadable_image": 2}
+    broken.add("s00020")
+    rewrite_shard(path, 2, lambda k, s, d: not_an_image() if k in broken and s == "0.png" else d)
+    with pytest.raises(SkipRateError):
+        run_epochs(data_module(path, tiny_tokenizer, **{"data.max_skip_rate": 0.1}))
+
+
+def test_index_pointing_at_the_wrong_samples_is_skipped_not_misread(tmp_path, tiny_tokenizer):
+    """Two samples' byte ranges swapped in index.json: each range holds the other key, so neither is fed
+    under the wrong key (its token count and loss mask would be wrong); both are counted corrupt_member."""
+    path = tmp_path / "ds"
+    make_fault_dataset(path, tiny_tokenizer, long_key=None)
+    index = read_index(path)
+    sh = index["shards"][1]
+    for f in ("offsets", "nbytes"):
+        sh[f][2], sh[f][5] = sh[f][5], sh[f][2]
+    write_index(path, index)
+    dm = data_module(path, tiny_tokenizer)
+    keys = run_epochs(dm)[0]
+    assert sorted(keys) == sorted({f"s{i:05d}" for i in range(N_SAMPLES)} - {sh["keys"][2], sh["keys"][5]})
+    assert dm.telemetry()["skips_by_reason"] == {"corrupt_member": 2}
+
+
+@pytest.mark.parametrize("fault", ["missing", "zero_byte", "truncated", "empty_tar"])
+def test_unusable_shard_fails_setup_naming_the_file(tmp_path, tiny_tokenizer, fault):
+    path = tmp_path / "ds"
+    make_fault_dataset(path, tiny_tokenizer)
+    shard = path / "shard-000001.tar"
+    if fault == "missing":
+        shard.unlink()
+    elif fault == "zero_byte":
+        shard.write_bytes(b"")
+    elif fault == "truncated":
+        truncate_mid_member(shard, 5)
+    else:
+        shard.write_bytes(empty_tar())
+    with pytest.raises(DatasetIndexError, match="shard-000001.tar"):
+        data_module(path, tiny_tokenizer)
+
+
+def test_index_made_with_another_tokenizer_fails_setup(tmp_path, tiny_tokenizer):
+    from nanovlm.data.datamodule import DataMismatchError
+
+    path = tmp_path / "ds"
+    make_fault_dataset(path, tiny_tokenizer)
+    index = read_index(path)
+    index["tokenizer"] = "0123456789abcdef"
+    write_index(path, index)
+    with pytest.raises(DataMismatchError, match="tokenizer"):
+        data_module(path, tiny_tokenizer)
+
+
+def test_wrong_token_count_in_index_is_an_error_naming_the_sample(tmp_path, tiny_tokenizer):
+    """An index whose token count disagrees with the sample (not a bad sample: a bad index) stops the stream
+    with the sample key and shard, instead of training on a plan that is no longer true."""
+    from nanovlm.data.producer import ProducerError
+
+    path = tmp_path / "ds"
+    make_fault_dataset(path, tiny_tokenizer, long_key=None)
+    index = read_index(path)
+    index["shards"][0]["text_tokens"][3] -= 2
+    write_index(path, index)
+    with pytest.raises(ProducerError) as exc:
+        run_epochs(data_module(path, tiny_tokenizer))
+    assert "s00003" in str(exc.value) and "shard-000000.tar" in str(exc.value)
