@@ -163,3 +163,253 @@ def test_load_index_validation(tmp_path, make_dataset):
     (d / "index.json").write_text('{"version": 99}')
     with pytest.raises(DatasetIndexError, match="version"):
         load_index(d)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# scripts/prepare_data.py
+
+
+def _img(path, size=(20, 12), colour=(255, 0, 0), fmt="PNG"):
+    from PIL import Image
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.new("RGB", size, colour).save(path, format=fmt)
+    return path
+
+
+def _jsonl(path, objs):
+    path.write_text("".join((o if isinstance(o, str) else json.dumps(o)) + "\n" for o in objs))
+    return path
+
+
+def _prepare(tok, *args):
+    from nanovlm.cli.prepare_data import main
+
+    return main([*args, "--tokenizer", tok.name_or_path])
+
+
+@pytest.fixture()
+def user_data(tmp_path):
+    """A user folder: images/ (good, truncated, huge) and a JSONL mixing the three formats and every bad case."""
+    imgs = tmp_path / "images"
+    _img(imgs / "red.png")
+    _img(imgs / "blue.jpg", (30, 40), (0, 0, 255), "JPEG")
+    _img(imgs / "sub" / "green.webp", (16, 16), (0, 255, 0), "WEBP")
+    _img(imgs / "actually_png.jpg", (8, 8))  # wrong extension: decoded by content
+    full = (imgs / "blue.jpg").read_bytes()
+    (imgs / "truncated.jpg").write_bytes(full[: len(full) // 2])
+    (imgs / "garbage.png").write_bytes(b"this is not an image")
+    _img(imgs / "huge.png", (300, 300))
+    (tmp_path / "outside.png").write_bytes((imgs / "red.png").read_bytes())
+    ok_native = {
+        "images": ["red.png", "sub/green.webp"],
+        "messages": [
+            {"role": "user", "content": "<image> vs <image>?"},
+            {"role": "assistant", "content": "red, green"},
+        ],
+    }
+    ok_llava = {
+        "id": "L1",
+        "image": "blue.jpg",
+        "conversations": [{"from": "human", "value": "<image>\nColour?"}, {"from": "gpt", "value": "Blue."}],
+    }
+    ok_caption = {"image": "actually_png.jpg", "caption": "a red square"}
+    ok_text = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
+
+    def cap(image):
+        return {"image": image, "caption": "x"}
+
+    lines = [
+        ok_native,                                                        # 1 ok
+        ok_llava,                                                         # 2 ok
+        "{broken json",                                                   # 3 bad_json
+        ok_caption,                                                       # 4 ok
+        cap("missing.png"),                                               # 5 missing_image
+        cap("truncated.jpg"),                                             # 6 unreadable_image
+        cap("garbage.png"),                                               # 7 unreadable_image
+        cap("huge.png"),                                                  # 8 image_too_large
+        cap("../outside.png"),                                            # 9 unsafe_path
+        cap(str(tmp_path / "outside.png")),                               # 10 unsafe_path (absolute)
+        {"messages": []},                                                 # 11 empty_conversation
+        {"messages": [{"role": "user", "content": "hi"}]},                # 12 no_assistant_turn
+        {"foo": 1},                                                       # 13 unknown_format
+        {"images": ["red.png"], "messages": ok_text["messages"]},         # 14 image_count_mismatch
+        ok_text,                                                          # 15 ok (text only)
+        "",                                                               # 16 blank: not a sample
+    ]  # fmt: skip
+    return _jsonl(tmp_path / "mixed.jsonl", lines), imgs
+
+
+EXPECTED_SKIPS = {
+    "bad_json": 1,
+    "missing_image": 1,
+    "unreadable_image": 2,
+    "image_too_large": 1,
+    "unsafe_path": 2,
+    "empty_conversation": 1,
+    "no_assistant_turn": 1,
+    "unknown_format": 1,
+    "image_count_mismatch": 1,
+}
+
+
+def test_prepare_data_formats_and_every_skip_reason(tmp_path, user_data, tiny_tokenizer, capsys):
+    jsonl, imgs = user_data
+    out = tmp_path / "out"
+    rc = _prepare(tiny_tokenizer, "--input", str(jsonl), "--output", str(out), "--max-image-pixels", "50000", "--image-root", str(imgs),
+                  "--image-token-count", "16", "--samples-per-shard", "3")  # fmt: skip
+    assert rc == 0
+    idx = load_index(out)
+    assert [k for s in idx.shards for k in s.keys] == [
+        "mixed-00000001",
+        "mixed-00000002",
+        "mixed-00000004",
+        "mixed-00000015",
+    ]
+    assert [n for s in idx.shards for n in s.n_images] == [2, 1, 1, 0]
+    assert [sz for s in idx.shards for sz in s.image_sizes] == [[[20, 12], [16, 16]], [[30, 40]], [[8, 8]], []]
+    rejected = [json.loads(line) for line in (out / "rejected.jsonl").read_text().splitlines()]
+    assert [(r["source"], r["reason"]) for r in rejected] == [
+        ("mixed.jsonl:3", "bad_json"),
+        ("mixed.jsonl:5", "missing_image"),
+        ("mixed.jsonl:6", "unreadable_image"),
+        ("mixed.jsonl:7", "unreadable_image"),
+        ("mixed.jsonl:8", "image_too_large"),
+        ("mixed.jsonl:9", "unsafe_path"),
+        ("mixed.jsonl:10", "unsafe_path"),
+        ("mixed.jsonl:11", "empty_conversation"),
+        ("mixed.jsonl:12", "no_assistant_turn"),
+        ("mixed.jsonl:13", "unknown_format"),
+        ("mixed.jsonl:14", "image_count_mismatch"),
+    ]
+    printed = capsys.readouterr().out
+    assert "wrote 4 of 15 samples" in printed
+    assert "skipped 11: " + ", ".join(f"{r}={n}" for r, n in sorted(EXPECTED_SKIPS.items())) in printed
+    assert str(out / "index.json") in printed
+    # The written samples are what training reads: LLaVA turned into messages, caption into the caption prompt.
+    proc = SampleProcessor(tiny_tokenizer, 8, 16)
+    s = idx.shards[0]
+    rec = members_to_record(read_sample(idx.shard_path(0), s.offsets[1], s.nbytes[1]), s.keys[1])
+    assert rec.messages == [{"role": "user", "content": "<image>\nColour?"}, {"role": "assistant", "content": "Blue."}]
+    assert rec.extra == {"id": "L1"} and rec.images == [(imgs / "blue.jpg").read_bytes()]
+    assert s.text_tokens[1] == proc.text_tokens(rec.messages)
+    rec = members_to_record(read_sample(idx.shard_path(0), s.offsets[2], s.nbytes[2]), s.keys[2])
+    assert rec.messages[-1]["content"] == "a red square"
+    assert sorted(read_sample(idx.shard_path(0), s.offsets[2], s.nbytes[2])) == ["0.png", "json"]  # sniffed
+
+
+def test_prepare_data_allow_absolute_and_image_root(tmp_path, user_data, tiny_tokenizer):
+    jsonl, imgs = user_data
+    lines = [{"image": str(imgs / "red.png"), "caption": "abs"}, {"image": "red.png", "caption": "rel"}]
+    src = _jsonl(tmp_path / "elsewhere" / "x.jsonl" if (tmp_path / "elsewhere").mkdir() is None else None, lines)
+    out = tmp_path / "o"
+    assert _prepare(tiny_tokenizer, "--input", str(src), "--output", str(out), "--image-root", str(imgs),
+                    "--allow-absolute-paths") == 0  # fmt: skip
+    assert load_index(out).num_samples == 2
+
+
+def test_prepare_data_deterministic_across_workers_and_reruns(tmp_path, user_data, tiny_tokenizer):
+    jsonl, imgs = user_data
+    big = _jsonl(tmp_path / "big.jsonl", [json.loads(x) if x.startswith("{") and not x.startswith("{broken") else x
+                                           for x in jsonl.read_text().splitlines()] * 5)  # fmt: skip
+    args = [
+        "--input",
+        str(big),
+        str(jsonl),
+        "--samples-per-shard",
+        "7",
+        "--image-root",
+        str(imgs),
+        "--max-image-pixels",
+        "50000",
+    ]
+    assert _prepare(tiny_tokenizer, *args, "--output", str(tmp_path / "w1")) == 0
+    assert _prepare(tiny_tokenizer, *args, "--output", str(tmp_path / "w2"), "--workers", "2") == 0
+    d1 = digest(tmp_path / "w1")
+    assert d1 == digest(tmp_path / "w2")
+    assert _prepare(tiny_tokenizer, *args, "--output", str(tmp_path / "w1")) == 0  # re-run in place
+    assert digest(tmp_path / "w1") == d1
+    assert load_index(tmp_path / "w1").num_samples == 4 * 5 + 4
+
+
+def test_prepare_data_index_only_for_existing_webdataset(tmp_path, tiny_tokenizer, capsys):
+    """img2dataset-style shards (jpg + txt + json metadata), with a corrupt image and a key without text."""
+    src = tmp_path / "wds"
+    src.mkdir()
+    import io
+
+    from PIL import Image
+
+    def jpg(c):
+        b = io.BytesIO()
+        Image.new("RGB", (24, 18), c).save(b, format="JPEG")
+        return b.getvalue()
+
+    def tar(path, samples):
+        with tarfile.open(path, "w", format=tarfile.USTAR_FORMAT) as tf:
+            for name, data in samples:
+                info = tarfile.TarInfo(name)
+                info.size = len(data)
+                tf.addfile(info, io.BytesIO(data))
+
+    tar(src / "00000.tar", [
+        ("000000000.jpg", jpg((255, 0, 0))), ("000000000.txt", b"a red thing"), ("000000000.json", b'{"url": "u"}'),
+        ("000000001.jpg", jpg((0, 255, 0))[:300]), ("000000001.txt", b"broken image"),
+        ("000000002.jpg", jpg((0, 0, 255))), ("000000002.pyd", b"\x80\x04not unpickled"), ("000000002.txt", b"blue"),
+    ])  # fmt: skip
+    tar(
+        src / "00001.tar",
+        [("000000003.jpg", jpg((9, 9, 9))), ("000000004.jpg", jpg((1, 1, 1))), ("000000004.txt", b"dark")],
+    )
+    before = digest(src)
+    out = tmp_path / "idx"
+    assert _prepare(tiny_tokenizer, "--input", str(src), "--output", str(out), "--workers", "2") == 0
+    assert digest(src) == before  # tars untouched
+    idx = load_index(out)
+    assert [s.name for s in idx.shards] == ["../wds/00000.tar", "../wds/00001.tar"]
+    assert [s.keys for s in idx.shards] == [["000000000", "000000002"], ["000000004"]]
+    assert [s.image_sizes for s in idx.shards] == [[[[24, 18]], [[24, 18]]], [[[24, 18]]]]
+    proc = SampleProcessor(tiny_tokenizer, 8, 16)
+    for shard in idx.shards:
+        for i, key in enumerate(shard.keys):
+            rec = members_to_record(read_sample(idx.shard_path(shard), shard.offsets[i], shard.nbytes[i], key), key)
+            assert shard.text_tokens[i] == proc.text_tokens(rec.messages)
+            assert proc.process(rec).pixel_values.shape == (1, 3, 8, 8)
+    rejected = [json.loads(line) for line in (out / "rejected.jsonl").read_text().splitlines()]
+    assert [(r["key"], r["reason"]) for r in rejected] == [
+        ("000000001", "unreadable_image"),
+        ("000000003", "missing_messages"),
+    ]
+    assert "wrote 3 of 5 samples" in capsys.readouterr().out
+    # In place (--output = the shard directory): shard names are bare file names.
+    assert _prepare(tiny_tokenizer, "--input", str(src), "--output", str(src)) == 0
+    assert [s.name for s in load_index(src).shards] == ["00000.tar", "00001.tar"]
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--input", "{tmp}/nope.jsonl", "--output", "{tmp}/o"], "input not found"),
+        (["--input", "{tmp}/a.jsonl", "--output", ""], "--output must not be empty"),
+        (["--input", "{tmp}/a.jsonl", "--output", "{tmp}/o", "--workers", "0"], "must be positive"),
+        (["--input", "{tmp}/a.jsonl", "{tmp}", "--output", "{tmp}/o"], "not both"),
+        (["--input", "{tmp}", "--output", "{tmp}/o"], "no .tar shards"),
+        (["--input", "{tmp}/a.jsonl", "--output", "{tmp}/o", "--image-root", "{tmp}/none"], "not a directory"),
+        (["--input", "{tmp}/a.jsonl", "--output", "{tmp}/o", "--config", "{tmp}/none.yaml"], "config file not found"),
+    ],
+)
+def test_prepare_data_bad_arguments(tmp_path, tiny_tokenizer, argv, message):
+    (tmp_path / "a.jsonl").write_text("{}\n")
+    with pytest.raises(SystemExit, match=message):
+        _prepare(tiny_tokenizer, *[a.format(tmp=tmp_path) for a in argv])
+
+
+def test_prepare_data_bad_tokenizer_and_nothing_written(tmp_path, tiny_tokenizer, capsys):
+    from nanovlm.cli.prepare_data import main
+
+    src = _jsonl(tmp_path / "a.jsonl", ["{bad", {"messages": []}])
+    with pytest.raises(SystemExit, match="cannot load tokenizer"):
+        main(["--input", str(src), "--output", str(tmp_path / "o"), "--tokenizer", str(tmp_path / "no" / "tok")])
+    assert _prepare(tiny_tokenizer, "--input", str(src), "--output", str(tmp_path / "o")) == 1
+    assert "no sample could be written" in capsys.readouterr().err
+    assert len((tmp_path / "o" / "rejected.jsonl").read_text().splitlines()) == 2

@@ -27,7 +27,7 @@ from PIL import Image
 
 from nanovlm.data.format import Record, SampleError, check_key, members_to_record, record_to_json, validate_messages
 from nanovlm.data.index import DatasetIndex, ShardIndex, scan_tar
-from nanovlm.data.processing import SampleProcessor, to_rgb
+from nanovlm.data.processing import SampleProcessor, describe_error, to_rgb
 from nanovlm.data.tokenizer import tokenizer_fingerprint
 
 SHARD_PATTERN = "shard-{:06d}.tar"
@@ -71,7 +71,7 @@ def inspect_image(data: bytes, max_pixels: int = 0, key: str = "") -> tuple[str,
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
         raise SampleError("image_too_large", key, str(e)) from None
     except Exception as e:
-        raise SampleError("unreadable_image", key, f"{type(e).__name__}: {e}") from None
+        raise SampleError("unreadable_image", key, describe_error(e)) from None
     if orientation in _ROTATED:
         w, h = h, w
     ext = _FORMAT_EXT.get(fmt or "")

@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import contextlib
 import io
+import re
 from dataclasses import dataclass
 
 import numpy as np
 import torch
-from PIL import Image, ImageOps
+from PIL import Image, ImageOps, UnidentifiedImageError
 
 from nanovlm.data.format import IMAGE_PLACEHOLDER, Record, SampleError
 from nanovlm.data.tokenizer import IM_END, IM_START, IMAGE_TOKEN
@@ -53,10 +54,17 @@ def decode_image(data: bytes, max_pixels: int = 0, draft_size: int = 0, key: str
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
         raise SampleError("image_too_large", key, str(e)) from None
     except Exception as e:  # PIL raises many types (OSError, ValueError, SyntaxError, struct.error, ...)
-        raise SampleError("unreadable_image", key, f"{type(e).__name__}: {e}") from None
+        raise SampleError("unreadable_image", key, describe_error(e)) from None
     with contextlib.suppress(Exception):  # a corrupt EXIF block must not cost an otherwise readable image
         img = ImageOps.exif_transpose(img)
     return to_rgb(img)
+
+
+def describe_error(e: Exception) -> str:
+    """A decoder error as a stable message (no object addresses, so rejection logs are reproducible)."""
+    if isinstance(e, UnidentifiedImageError):
+        return "not a recognised image format"
+    return re.sub(r" at 0x[0-9a-fA-F]+", "", f"{type(e).__name__}: {e}")
 
 
 def to_rgb(img: Image.Image) -> Image.Image:

@@ -1,0 +1,342 @@
+"""``python scripts/prepare_data.py --input FILE.jsonl [...] --output DIR``: JSONL + images -> WebDataset shards.
+
+Two modes:
+
+* JSONL files (native, LLaVA or caption lines, detected per line) -> ``DIR/shard-NNNNNN.tar`` + ``index.json``.
+  Image paths are relative to ``--image-root`` (default: the JSONL file's folder) and may not escape it.
+* ``--input DIR`` of existing WebDataset shards without an index (e.g. from img2dataset): writes only
+  ``index.json`` (into ``--output``, which may be DIR itself); the tars are read, never rewritten.
+
+Bad lines/samples never stop a run: each is skipped, counted by reason, and listed in ``DIR/rejected.jsonl``.
+Output is deterministic: the same input and tokenizer give byte-identical shards with any ``--workers``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import re
+import sys
+import time
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+EPILOG = """\
+examples:
+  python scripts/prepare_data.py --input train.jsonl --image-root images/ --output data/mine/train --workers 4
+  python scripts/prepare_data.py --input llava.jsonl captions.jsonl --output data/mix --samples-per-shard 2000
+  python scripts/prepare_data.py --input shards_from_img2dataset/ --output shards_from_img2dataset/
+
+The tokenizer must be the one training will use (its fingerprint is stored in the index); the default is
+the run config's data.tokenizer (the offline demo tokenizer, built if missing).
+"""
+
+# Per-process state of worker processes (set by _init_worker).
+_STATE: dict = {}
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="scripts/prepare_data.py",
+        description="Turn JSONL + images (or un-indexed WebDataset shards) into an indexed dataset directory.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--input", nargs="+", required=True, help="JSONL file(s), or one directory of .tar shards")
+    p.add_argument("--output", required=True, help="output dataset directory")
+    p.add_argument("--image-root", default=None, help="folder image paths are relative to (default: the JSONL's)")
+    p.add_argument("--samples-per-shard", type=int, default=1000, help="samples per tar shard (default: 1000)")
+    p.add_argument("--workers", type=int, default=1, help="parallel worker processes (default: 1)")
+    p.add_argument("--tokenizer", default=None, help="tokenizer dir or hub id (default: the config's data.tokenizer)")
+    p.add_argument(
+        "--config",
+        action="append",
+        default=None,
+        help="run config(s) giving the default tokenizer, image tokens and pixel limit (default: tiny_cpu.yaml)",
+    )
+    p.add_argument(
+        "--image-token-count",
+        type=int,
+        default=None,
+        help="image tokens per image of the target model, recorded in the index (default: from --config)",
+    )
+    p.add_argument(
+        "--max-image-pixels",
+        type=int,
+        default=None,
+        help="skip larger images (default: the config's data.max_image_pixels)",
+    )
+    p.add_argument("--allow-absolute-paths", action="store_true", help="accept absolute image paths in JSONL lines")
+    return p.parse_args(argv)  # fmt: skip
+
+
+# ----------------------------------------------------------------------------------------------------------
+# worker side
+
+
+def _init_worker(tokenizer_path: str, max_pixels: int, allow_absolute: bool) -> None:
+    from nanovlm.data.processing import SampleProcessor
+    from nanovlm.data.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(tokenizer_path)
+    _STATE.update(processor=SampleProcessor(tok, 1, 1), max_pixels=max_pixels, allow_absolute=allow_absolute)
+
+
+def _jsonl_work(task: tuple) -> tuple:
+    """(key, source, line, image_root) -> ("ok", PreparedSample) | ("skip", key, source, reason, detail)."""
+    from nanovlm.data.format import SampleError
+    from nanovlm.data.prepare import prepare_jsonl_line
+
+    key, source, line, image_root = task
+    try:
+        sample = prepare_jsonl_line(
+            line, key, Path(image_root), _STATE["processor"], _STATE["max_pixels"], _STATE["allow_absolute"]
+        )
+        return ("ok", sample)
+    except SampleError as e:
+        return ("skip", key, source, e.reason, e.detail)
+
+
+def _tar_work(task: tuple) -> tuple:
+    """(shard path, TarSample) -> ("ok", key, offset, nbytes, text_tokens, sizes) | ("skip", ...)."""
+    from nanovlm.data.format import SampleError
+    from nanovlm.data.prepare import index_tar_sample
+
+    path, ts = task
+    source = f"{Path(path).name}@{ts.offset}"
+    try:
+        members: dict[str, bytes] = {}
+        with open(path, "rb") as f:
+            for suffix, offset, size in ts.members:
+                f.seek(offset)
+                data = f.read(size)
+                if len(data) != size:
+                    raise SampleError("corrupt_member", ts.key, f"member {suffix} truncated")
+                members[suffix] = data
+        tokens, sizes = index_tar_sample(members, ts.key, _STATE["processor"], _STATE["max_pixels"])
+        return ("ok", ts.key, ts.offset, ts.nbytes, tokens, sizes)
+    except SampleError as e:
+        return ("skip", ts.key, source, e.reason, e.detail)
+
+
+def _results(fn, tasks: Iterator, workers: int, init_args: tuple) -> Iterator[tuple]:
+    """Apply ``fn`` to tasks in order, in this process (workers=1) or a pool; order is always the input order."""
+    if workers <= 1:
+        _init_worker(*init_args)
+        yield from map(fn, tasks)
+        return
+    ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
+    with ctx.Pool(workers, initializer=_init_worker, initargs=init_args) as pool:
+        yield from pool.imap(fn, tasks, chunksize=8)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# main side
+
+
+class Report:
+    """Skip accounting: counts by reason and the rejected.jsonl lines, in input order."""
+
+    def __init__(self) -> None:
+        self.written = 0
+        self.skips: Counter = Counter()
+        self.rejected: list[dict] = []
+
+    def skip(self, key: str, source: str, reason: str, detail: str) -> None:
+        self.skips[reason] += 1
+        self.rejected.append({"key": key, "source": source, "reason": reason, "detail": detail})
+
+    def write_rejected(self, out_dir: Path) -> Path:
+        path = out_dir / "rejected.jsonl"
+        tmp = path.with_name("rejected.jsonl.tmp")
+        with open(tmp, "w", encoding="utf-8") as f:
+            for r in self.rejected:
+                f.write(json.dumps(r, ensure_ascii=False, sort_keys=True) + "\n")
+        os.replace(tmp, path)
+        return path
+
+
+def _key_stems(files: list[Path]) -> list[str]:
+    """A key prefix per input file: its sanitized stem, made unique when two files share a stem."""
+    stems = [re.sub(r"[^A-Za-z0-9_-]", "_", f.stem) or "input" for f in files]
+    counts = Counter(stems)
+    return [f"{s}_{i}" if counts[s] > 1 else s for i, s in enumerate(stems)]
+
+
+def _count_lines(files: list[Path]) -> int:
+    n = 0
+    for f in files:
+        with open(f, "rb") as fh:
+            n += sum(1 for line in fh if line.strip())
+    return n
+
+
+def _jsonl_tasks(files: list[Path], image_root: Path | None) -> Iterator[tuple]:
+    for path, stem in zip(files, _key_stems(files)):
+        root = str(image_root if image_root is not None else path.parent)
+        with open(path, "rb") as fh:
+            for lineno, line in enumerate(fh, 1):
+                if line.strip():  # blank lines are not samples
+                    yield (f"{stem}-{lineno:08d}", f"{path.name}:{lineno}", line, root)
+
+
+def run_jsonl(args, files: list[Path], out_dir: Path, tok_path: str, fingerprint: str, itc: int, report: Report):
+    from tqdm import tqdm
+
+    from nanovlm.data.format import SampleError
+    from nanovlm.data.prepare import ShardWriter
+
+    image_root = Path(args.image_root) if args.image_root else None
+    writer = ShardWriter(out_dir, fingerprint, itc, args.samples_per_shard, created_by="prepare_data")
+    init = (tok_path, args.max_image_pixels, args.allow_absolute_paths)
+    bar = tqdm(total=_count_lines(files), unit="sample", desc="prepare", disable=None)
+    try:
+        for res in _results(_jsonl_work, _jsonl_tasks(files, image_root), args.workers, init):
+            if res[0] == "ok":
+                try:
+                    writer.add(res[1])
+                    report.written += 1
+                except SampleError as e:
+                    report.skip(e.key, "", e.reason, e.detail)
+            else:
+                report.skip(*res[1:])
+            bar.update(1)
+    except BaseException:
+        writer.abort()
+        raise
+    finally:
+        bar.close()
+    return writer.close()
+
+
+def run_index_only(args, in_dir: Path, out_dir: Path, tok_path: str, fingerprint: str, itc: int, report: Report):
+    import tarfile
+
+    from tqdm import tqdm
+
+    from nanovlm.data.index import DatasetIndex, ShardIndex, scan_tar
+
+    shards = sorted(p for p in in_dir.iterdir() if p.is_file() and p.name.endswith(".tar"))
+    if not shards:
+        raise SystemExit(f"error: no .tar shards in {in_dir}")
+    tasks: list[tuple] = []
+    for path in shards:
+        try:
+            for ts in scan_tar(path):
+                tasks.append((str(path), ts))
+        except (tarfile.TarError, OSError, EOFError) as e:  # keep the samples before the damage
+            report.skip(path.name, path.name, "corrupt_shard", f"{type(e).__name__}: {e}")
+    columns: dict[str, dict] = {
+        str(p): {k: [] for k in ("keys", "offsets", "nbytes", "text_tokens", "n_images", "image_sizes")} for p in shards
+    }
+    seen: set[str] = set()
+    init = (tok_path, args.max_image_pixels, False)
+    with tqdm(total=len(tasks), unit="sample", desc="index", disable=None) as bar:
+        for (path, _), res in zip(tasks, _results(_tar_work, iter(tasks), args.workers, init)):
+            bar.update(1)
+            if res[0] == "skip":
+                report.skip(*res[1:])
+                continue
+            _, key, offset, nbytes, tokens, sizes = res
+            if key in seen:
+                report.skip(key, f"{Path(path).name}@{offset}", "duplicate_key", "keys must be unique within a dataset")
+                continue
+            seen.add(key)
+            col = columns[path]
+            for name, value in zip(
+                ("keys", "offsets", "nbytes", "text_tokens", "n_images", "image_sizes"),
+                (key, offset, nbytes, tokens, len(sizes), sizes),
+            ):
+                col[name].append(value)
+            report.written += 1
+    out_dir.mkdir(parents=True, exist_ok=True)
+    entries = [
+        ShardIndex(
+            name=os.path.relpath(path, out_dir),
+            size_bytes=path.stat().st_size,
+            num_samples=len(columns[str(path)]["keys"]),
+            **columns[str(path)],
+        )
+        for path in shards
+        if columns[str(path)]["keys"]
+    ]
+    index = DatasetIndex(out_dir, fingerprint, itc, "prepare_data (index only)", entries)
+    index.save()
+    return index
+
+
+def _resolve_tokenizer(args, cfg) -> str:
+    """The tokenizer path; the config default (the demo tokenizer) is built offline when missing."""
+    if args.tokenizer:
+        return args.tokenizer
+    tok = cfg.data.tokenizer
+    if not Path(tok).exists() and Path(tok).name == "tokenizer" and Path(tok).parent.name == "demo":
+        from nanovlm.data.demo import ensure_demo_data
+
+        print(f"building the offline demo tokenizer (and demo data) in {Path(tok).parent} ...", file=sys.stderr)
+        ensure_demo_data(Path(tok).parent)
+    return tok
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if not args.output or not args.output.strip():
+        raise SystemExit("error: --output must not be empty")
+    if args.samples_per_shard <= 0 or args.workers <= 0:
+        raise SystemExit("error: --samples-per-shard and --workers must be positive")
+    inputs = [Path(p) for p in args.input]
+    for p in inputs:
+        if not p.exists():
+            raise SystemExit(f"error: input not found: {p}")
+    dirs = [p for p in inputs if p.is_dir()]
+    if dirs and len(inputs) > 1:
+        raise SystemExit("error: give either JSONL files or one directory of WebDataset shards, not both")
+    if not dirs:
+        for p in inputs:
+            if p.suffix in (".tar", ".tgz", ".gz"):
+                raise SystemExit(f"error: {p} is an archive; pass the directory that holds the shards (--input DIR)")
+    if args.image_root and not Path(args.image_root).is_dir():
+        raise SystemExit(f"error: --image-root {args.image_root} is not a directory")
+
+    from nanovlm.config import ConfigError, image_token_count, load_config
+    from nanovlm.data.tokenizer import load_tokenizer, tokenizer_fingerprint
+
+    try:
+        cfg = load_config(args.config or ["tiny_cpu.yaml"])
+    except ConfigError as e:
+        raise SystemExit(f"error: {e}") from None
+    itc = args.image_token_count if args.image_token_count is not None else image_token_count(cfg.model)
+    if args.max_image_pixels is None:
+        args.max_image_pixels = cfg.data.max_image_pixels
+    tok_path = _resolve_tokenizer(args, cfg)
+    try:
+        fingerprint = tokenizer_fingerprint(load_tokenizer(tok_path))
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"error: cannot load tokenizer {tok_path!r}: {e}") from None
+
+    out_dir = Path(args.output)
+    report = Report()
+    t0 = time.perf_counter()
+    if dirs:
+        index = run_index_only(args, dirs[0], out_dir, tok_path, fingerprint, itc, report)
+    else:
+        index = run_jsonl(args, inputs, out_dir, tok_path, fingerprint, itc, report)
+    rejected = report.write_rejected(out_dir)
+    elapsed = time.perf_counter() - t0
+
+    total = report.written + sum(report.skips.values())
+    print(f"wrote {report.written} of {total} samples in {len(index.shards)} shard(s) to {out_dir} ({elapsed:.1f} s)")
+    if report.skips:
+        print(
+            f"skipped {sum(report.skips.values())}: " + ", ".join(f"{r}={n}" for r, n in sorted(report.skips.items()))
+        )
+        print(f"skipped samples and reasons: {rejected}")
+    print(f"index: {out_dir / 'index.json'} (tokenizer {fingerprint}, {itc} tokens per image)")
+    if report.written == 0:
+        print("error: no sample could be written; see rejected.jsonl", file=sys.stderr)
+        return 1
+    return 0
