@@ -165,7 +165,8 @@ def load_language_weights(language: nn.Module, name_or_path: str) -> None:
 
     directory = resolve_checkpoint(name_or_path)
     hf = AutoConfig.from_pretrained(directory)
-    hf = getattr(hf, "text_config", hf) if not hasattr(hf, "num_key_value_heads") else hf
+    if not hasattr(hf, "num_key_value_heads") and hasattr(hf, "text_config"):  # a composite config
+        hf = hf.text_config
     cfg = language.cfg
     rope = getattr(hf, "rope_parameters", None) or {}
     theta = rope.get("rope_theta", getattr(hf, "rope_theta", None))

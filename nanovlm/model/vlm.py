@@ -17,7 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from nanovlm.config import ModelConfig, image_token_count
-from nanovlm.model.language import KVCache, LanguageModel
+from nanovlm.model.language import KVCache, LanguageModel, RMSNorm
 from nanovlm.model.projector import Projector
 from nanovlm.model.vision import VisionEncoder
 
@@ -58,7 +58,7 @@ class NanoVLM(nn.Module):
                 elif isinstance(module, nn.LayerNorm):
                     nn.init.ones_(module.weight)
                     nn.init.zeros_(module.bias)
-                elif hasattr(module, "weight") and module.__class__.__name__ == "RMSNorm":
+                elif isinstance(module, RMSNorm):
                     nn.init.ones_(module.weight)
         nn.init.normal_(self.projector.proj.weight, mean=0.0, std=std)
 
