@@ -169,3 +169,55 @@ def test_lightning_checkpoint_resume_continues_exactly(data, tiny_tokenizer, tmp
     assert ckpts, list((tmp_path / "ckpt").iterdir())
     resumed = fit(10, str(ckpts[0]))
     assert resumed == full[4:]
+
+
+def _dist_rank(rank, world_size, port, cfg, tokenizer, out_dir):
+    """One rank of a 2-process gloo group: consume 3 batches, save the gathered state and the next keys."""
+    import json
+    import os
+    import traceback
+
+    try:
+        torch.distributed.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
+        )
+        dm = PackedMultimodalDataModule(cfg.data, cfg.model, tokenizer)  # rank and world size from the group
+        dm.setup("fit")
+        take(dm, 3)
+        state = dm.state_dict()  # a collective: every rank calls it
+        nxt = [b["sample_keys"] for b in take(dm, 2, consume=False)]
+        (out_dir / f"next{rank}.json").write_text(json.dumps(nxt))
+        if rank == 0:
+            torch.save(state, out_dir / "state.pt")
+        torch.distributed.destroy_process_group()
+    except BaseException:
+        (out_dir / f"error{rank}.txt").write_text(traceback.format_exc())
+        os._exit(1)
+    os._exit(0)
+
+
+@pytest.mark.distributed
+def test_state_dict_gathers_every_rank_under_torch_distributed(data, tiny_tokenizer, tmp_path):
+    import json
+    import multiprocessing as mp
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cfg = make_cfg([data / "a", data / "b"])
+    ctx = mp.get_context("fork")
+    procs = [ctx.Process(target=_dist_rank, args=(r, 2, port, cfg, tiny_tokenizer, tmp_path)) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+    errors = [f.read_text() for f in tmp_path.glob("error*.txt")]
+    assert not errors and all(p.exitcode == 0 for p in procs), errors
+    state = torch.load(tmp_path / "state.pt", weights_only=True)
+    assert [r["rank"] for r in state["ranks"]] == [0, 1] and state["world_size"] == 2  # rank 1 was not lost
+    for rank in range(2):
+        dm = make_dm(cfg, tiny_tokenizer, rank, 2)
+        dm.load_state_dict(state)
+        got = [b["sample_keys"] for b in take(dm, 2, consume=False)]
+        assert got == json.loads((tmp_path / f"next{rank}.json").read_text())
