@@ -1,0 +1,356 @@
+"""Length analysis of a dataset from its index alone: histograms, padding/packing waste, a recommended budget.
+
+Everything here reads ``index.json`` columns (never a shard), so it runs in seconds on millions of samples.
+Waste is simulated with the same algorithms training uses (``nanovlm.data.packing``), on the samples in a
+seeded random order (training shuffles; an index in sorted order would flatter padding).
+
+Definitions (for a token budget ``L`` = data.max_tokens and padded batches of ``batch_size`` samples):
+
+* pad-to-longest: each batch is padded to its longest sample, no cutoff. waste = pad / slots.
+* constrained padding: the same with lengths capped at a cutoff (= L); longer samples are truncated (tokens
+  lost) or dropped (samples lost).
+* packing: samples concatenated into [1, L] packs by online best-fit (what training does); waste = empty
+  slots / slots. The offline first-fit-decreasing optimum is reported as the reference.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from nanovlm.data import packing
+from nanovlm.data.index import DatasetIndex
+
+SIM_SAMPLES = 100_000  # waste simulations run on at most this many samples (seeded subsample)
+
+
+@dataclass
+class LengthStats:
+    text_tokens: np.ndarray  # per sample, <image> counted once
+    total_tokens: np.ndarray  # per sample, images expanded
+    n_images: np.ndarray
+    image_token_count: int
+    sources: list[str] = field(default_factory=list)
+
+    @property
+    def num_samples(self) -> int:
+        return len(self.total_tokens)
+
+
+def collect(indexes: list[DatasetIndex], image_token_count: int) -> LengthStats:
+    """The length columns of one or more indexes, concatenated."""
+    text = [t for idx in indexes for s in idx.shards for t in s.text_tokens]
+    imgs = [n for idx in indexes for s in idx.shards for n in s.n_images]
+    text_a, imgs_a = np.asarray(text, dtype=np.int64), np.asarray(imgs, dtype=np.int64)
+    total = text_a + imgs_a * (image_token_count - 1)
+    return LengthStats(text_a, total, imgs_a, image_token_count, [str(i.root) for i in indexes])
+
+
+def percentiles(x: np.ndarray, qs=(50, 90, 99, 99.9)) -> dict[str, float]:
+    if len(x) == 0:
+        return {f"p{q:g}": 0.0 for q in qs} | {"max": 0.0, "mean": 0.0}
+    out = {f"p{q:g}": float(np.percentile(x, q)) for q in qs}
+    out["max"] = float(x.max())
+    out["mean"] = float(x.mean())
+    return out
+
+
+@dataclass
+class WasteReport:
+    budget: int
+    batch_size: int
+    simulated: int  # samples the simulation used
+    pad_to_longest: float  # wasted fraction of slots
+    constrained: float  # wasted fraction of slots (truncate variant)
+    constrained_truncated_samples: int
+    constrained_lost_tokens: float  # fraction of real tokens cut by truncation
+    packing: float  # wasted fraction of slots, online best-fit (as in training)
+    packing_ffd: float  # offline first-fit-decreasing reference
+    over_budget: int  # samples longer than the budget (dropped with overlength=drop), in the full dataset
+    over_budget_tokens: float  # fraction of all tokens in those samples
+    over_images: int  # samples with more images than max_images
+    max_images: int = 0  # the image budget per pack used in the simulation
+    image_bound_packs: float = 0.0  # fraction of online packs that reached max_images (the image budget binds)
+
+
+def _sim_order(n: int, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    order = rng.permutation(n)
+    return np.sort(order[:SIM_SAMPLES]) if n > SIM_SAMPLES else order
+
+
+def waste(
+    stats: LengthStats, budget: int, batch_size: int = 8, max_images: int = 1 << 30, lookahead: int = 64, seed: int = 0
+) -> WasteReport:
+    """Simulate the three batching strategies at ``budget`` and report the wasted fractions."""
+    order = _sim_order(stats.num_samples, seed)
+    if stats.num_samples > SIM_SAMPLES:  # subsample, then shuffle it
+        order = np.random.default_rng(seed + 1).permutation(order)
+    lengths = stats.total_tokens[order].tolist()
+    imgs = stats.n_images[order].tolist()
+    real = float(sum(lengths)) or 1.0
+
+    longest = max(lengths) if lengths else 1
+    ptl = packing.constrained(lengths, imgs, batch_size, max(1, longest), "truncate")
+    con = packing.constrained(lengths, imgs, batch_size, budget, "truncate")
+    onl = packing.pack_online(lengths, imgs, budget, max_images, lookahead=lookahead, overlength="drop")
+    ffd = packing.ffd_reference(lengths, imgs, budget, max_images, overlength="drop")
+
+    def padded_waste(r: packing.PackResult) -> float:
+        slots = packing.padded_slots(r)
+        return 1.0 - r.real_tokens() / slots if slots else 0.0
+
+    def pack_waste(r: packing.PackResult) -> float:
+        return 1.0 - r.fill(budget) if r.packs else 0.0
+
+    over = stats.total_tokens > budget
+    total = float(stats.total_tokens.sum()) or 1.0
+    full_of_images = sum(1 for p in onl.packs if sum(imgs[i] for i in p) >= max_images)
+    return WasteReport(
+        budget=budget,
+        batch_size=batch_size,
+        simulated=len(lengths),
+        pad_to_longest=padded_waste(ptl),
+        constrained=padded_waste(con),
+        constrained_truncated_samples=len(con.truncated),
+        constrained_lost_tokens=1.0 - con.real_tokens() / real,
+        packing=pack_waste(onl),
+        packing_ffd=pack_waste(ffd),
+        over_budget=int(over.sum()),
+        over_budget_tokens=float(stats.total_tokens[over].sum()) / total,
+        over_images=int((stats.n_images > max_images).sum()),
+        max_images=max_images,
+        image_bound_packs=full_of_images / max(1, len(onl.packs)),
+    )
+
+
+def _round_budget(x: float) -> int:
+    """Round up to a 'nice' budget: a multiple of 256 below 2048, of 1024 above."""
+    step = 256 if x <= 2048 else 1024
+    return max(step, int(math.ceil(x / step) * step))
+
+
+@dataclass
+class Recommendation:
+    max_tokens: int
+    overlength: str
+    reasons: list[str]
+
+
+def recommend(
+    stats: LengthStats,
+    min_samples_per_pack: int = 8,
+    keep_quantile: float = 99.9,
+    max_images: int = 1 << 30,
+    cap: int = 16384,
+) -> Recommendation:
+    """The smallest nice budget that keeps ``keep_quantile`` % of samples whole and fits
+    ``min_samples_per_pack`` median samples (so best-fit has enough small items to fill packs), at most ``cap``
+    (what activation memory allows). Past the cap, the long tail is truncated rather than dropped when it is
+    more than 0.5% of the data."""
+    if stats.num_samples == 0:
+        return Recommendation(1024, "drop", ["the dataset is empty; any budget works"])
+    p = percentiles(stats.total_tokens)
+    q = float(np.percentile(stats.total_tokens, keep_quantile))
+    med = p["p50"]
+    wanted = _round_budget(max(q, min_samples_per_pack * med))
+    budget = min(wanted, cap)
+    over = int((stats.total_tokens > budget).sum())
+    frac = over / stats.num_samples
+    reasons = [
+        f"p{keep_quantile:g} of total tokens is {q:.0f}: a budget at or above it keeps {keep_quantile:g}% of samples whole",
+        f"median sample is {med:.0f} tokens: {min_samples_per_pack} median samples need {min_samples_per_pack * med:.0f}; "
+        "packs of many small samples fill to ~99% with online best-fit",
+        f"rounded up to {wanted}"
+        + (f", capped at {cap} (memory)" if wanted > cap else "")
+        + f": {over} samples ({frac:.3%}) are longer (max {p['max']:.0f})",
+    ]
+    if over == 0:
+        policy = "drop"
+        reasons.append("no sample exceeds it, so the over-length policy never triggers (drop is the safe default)")
+    elif frac <= 0.005:
+        policy = "drop"
+        reasons.append(
+            f"dropping {over} samples ({frac:.3%}) loses little; truncation would cut answers mid-way "
+            "(the loss is on answers, usually at the end)"
+        )
+    else:
+        policy = "truncate"
+        reasons.append(
+            f"{frac:.2%} of samples exceed it: dropping them would bias the data against long answers; truncating "
+            "keeps their images and prompts (or raise max_tokens if memory allows)"
+        )
+    images_per_pack = budget / max(1.0, float(stats.total_tokens.mean())) * float(stats.n_images.mean())
+    if images_per_pack > max_images:
+        reasons.append(
+            f"a full pack holds ~{images_per_pack:.0f} images on average but data.max_images={max_images}: the image "
+            f"budget will end packs early; raise data.max_images to ~{math.ceil(images_per_pack * 1.25)} if the vision "
+            "encoder's memory allows"
+        )
+    return Recommendation(budget, policy, reasons)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# plots and report
+
+
+def _hist(ax, x: np.ndarray, title: str, xlabel: str, budget: int | None = None) -> None:
+    if len(x):
+        bins = min(80, max(10, int(np.sqrt(len(x)))))
+        ax.hist(x, bins=bins, color="#4C72B0")
+        for q, style in ((50, "-"), (90, "--"), (99, ":")):
+            v = np.percentile(x, q)
+            ax.axvline(v, color="k", linestyle=style, linewidth=1, label=f"p{q} = {v:.0f}")
+        if budget is not None:
+            ax.axvline(budget, color="#C44E52", linewidth=2, label=f"max_tokens = {budget}")
+        ax.legend(fontsize=8)
+    ax.set_title(title)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("samples")
+    if len(x) and x.max() > 20 * max(1.0, np.median(x)):
+        ax.set_yscale("log")
+
+
+def write_report(
+    stats: LengthStats,
+    out_dir: str | Path,
+    budget: int,
+    batch_size: int = 8,
+    max_images: int = 1 << 30,
+    lookahead: int = 64,
+    seed: int = 0,
+    max_budget: int = 16384,
+) -> dict:
+    """Write the PNG plots and summary.md into ``out_dir``; return the numbers as a dict."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    w = waste(stats, budget, batch_size, max_images, lookahead, seed)
+    rec = recommend(stats, max_images=max_images, cap=max_budget)
+    plots = {}
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    _hist(ax, stats.text_tokens, "Text tokens per sample (<image> counted once)", "tokens")
+    fig.tight_layout()
+    fig.savefig(out / "text_tokens.png", dpi=100)
+    plt.close(fig)
+    plots["text_tokens.png"] = "histogram of text tokens per sample"
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    _hist(ax, stats.total_tokens, f"Total tokens per sample ({stats.image_token_count} per image)", "tokens", budget)
+    fig.tight_layout()
+    fig.savefig(out / "total_tokens.png", dpi=100)
+    plt.close(fig)
+    plots["total_tokens.png"] = "histogram of total tokens (images expanded) with the budget"
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    vals, counts = np.unique(stats.n_images, return_counts=True) if stats.num_samples else ([], [])
+    ax.bar([str(v) for v in vals], counts, color="#55A868")
+    ax.set_title("Images per sample")
+    ax.set_xlabel("images")
+    ax.set_ylabel("samples")
+    fig.tight_layout()
+    fig.savefig(out / "images_per_sample.png", dpi=100)
+    plt.close(fig)
+    plots["images_per_sample.png"] = "bar chart of images per sample"
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    names = ["pad to longest", "constrained\n(truncate)", "packing\n(online)", "packing\n(FFD optimum)"]
+    values = [w.pad_to_longest, w.constrained, w.packing, w.packing_ffd]
+    bars = ax.bar(names, [100 * v for v in values], color=["#C44E52", "#DD8452", "#4C72B0", "#8172B3"])
+    for b, v in zip(bars, values):
+        ax.text(b.get_x() + b.get_width() / 2, b.get_height(), f"{v:.1%}", ha="center", va="bottom", fontsize=9)
+    ax.set_ylabel("% of token slots wasted")
+    ax.set_title(f"Waste at max_tokens={budget} (padded batches of {batch_size})")
+    fig.tight_layout()
+    fig.savefig(out / "waste.png", dpi=100)
+    plt.close(fig)
+    plots["waste.png"] = "wasted slot fraction per batching strategy at the budget"
+
+    budgets = sorted({b for b in (256, 512, 1024, 2048, 4096, 8192, 16384, 32768, budget, rec.max_tokens)})
+    if stats.num_samples:
+        med = float(np.median(stats.total_tokens))
+        budgets = [b for b in budgets if b >= med] or [budget]
+    sweep = [waste(stats, b, batch_size, max_images, lookahead, seed) for b in budgets]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(budgets, [100 * s.packing for s in sweep], "o-", label="packing waste (online)")
+    ax.plot(budgets, [100 * s.constrained for s in sweep], "s-", label="constrained padding waste")
+    ax.plot(
+        budgets, [100 * s.over_budget / max(1, stats.num_samples) for s in sweep], "^-", label="% samples over budget"
+    )
+    ax.axvline(rec.max_tokens, color="#55A868", linestyle="--", label=f"recommended {rec.max_tokens}")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("max_tokens (cutoff)")
+    ax.set_ylabel("%")
+    ax.set_title("Waste and over-length samples vs budget")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "waste_vs_budget.png", dpi=100)
+    plt.close(fig)
+    plots["waste_vs_budget.png"] = "waste and samples over budget for a range of budgets"
+
+    t, tot, im = percentiles(stats.text_tokens), percentiles(stats.total_tokens), percentiles(stats.n_images)
+    lines = [
+        "# Dataset length report",
+        "",
+        f"Sources: {', '.join(stats.sources)}  ",
+        f"Samples: {stats.num_samples:,}; image tokens per image: {stats.image_token_count}; "
+        f"total tokens: {int(stats.total_tokens.sum()):,}",
+        "",
+        "| | mean | p50 | p90 | p99 | p99.9 | max |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, p in (("text tokens", t), ("total tokens", tot), ("images", im)):
+        lines.append(
+            f"| {name} | {p['mean']:.1f} | {p['p50']:.0f} | {p['p90']:.0f} | {p['p99']:.0f} | {p['p99.9']:.0f} | {p['max']:.0f} |"
+        )
+    sim = "" if w.simulated == stats.num_samples else f" (simulated on a random {w.simulated:,}-sample subset)"
+    lines += [
+        "",
+        f"## Waste at max_tokens = {budget}{sim}",
+        "",
+        "| strategy | wasted slots | samples lost | tokens lost |",
+        "|---|---|---|---|",
+        f"| pad to longest (batches of {batch_size}) | {w.pad_to_longest:.1%} | 0 | 0 |",
+        f"| constrained padding, truncate at {budget} | {w.constrained:.1%} | 0 ({w.constrained_truncated_samples} truncated) | {w.constrained_lost_tokens:.2%} |",
+        f"| constrained padding, drop above {budget} | - | {w.over_budget} | {w.over_budget_tokens:.2%} |",
+        f"| packing, online best-fit (training) | {w.packing:.1%} | {w.over_budget} (overlength=drop) | {w.over_budget_tokens:.2%} |",
+        f"| packing, offline FFD optimum | {w.packing_ffd:.1%} | {w.over_budget} | {w.over_budget_tokens:.2%} |",
+        "",
+    ]
+    if w.over_images:
+        lines.append(f"{w.over_images} samples have more images than max_images and can never be placed.\n")
+    if w.image_bound_packs > 0.5:
+        lines.append(
+            f"{w.image_bound_packs:.0%} of packs reached the image budget (max_images={w.max_images}) before the "
+            "token budget: packing waste here comes from the image budget, not from lengths.\n"
+        )
+    lines += [
+        "## Recommendation",
+        "",
+        f"`data.max_tokens={rec.max_tokens} data.overlength={rec.overlength}`",
+        "",
+        *[f"- {r}" for r in rec.reasons],
+        "",
+        "## Plots",
+        "",
+        *[f"- `{name}`: {what}" for name, what in plots.items()],
+        "",
+    ]
+    (out / "summary.md").write_text("\n".join(lines))
+    return {
+        "num_samples": stats.num_samples,
+        "text_tokens": t,
+        "total_tokens": tot,
+        "waste": w.__dict__,
+        "recommended_max_tokens": rec.max_tokens,
+        "recommended_overlength": rec.overlength,
+        "plots": sorted(plots),
+    }

@@ -1,0 +1,100 @@
+"""analyze_data: exact waste numbers on hand-made indexes, recommendations, plots, reads only the index."""
+
+import json
+
+import numpy as np
+import pytest
+
+from nanovlm.data.analysis import LengthStats, collect, recommend, waste
+from nanovlm.data.index import DatasetIndex, ShardIndex, load_index
+
+
+def write_index(path, text_tokens, n_images, image_token_count=16):
+    """An index.json with the given columns and no shard files (analysis must not need them)."""
+    n = len(text_tokens)
+    keys = [f"k{i}" for i in range(n)]
+    shard = ShardIndex("shard-000000.tar", 0, n, keys, [0] * n, [512] * n, list(text_tokens), list(n_images),
+                       [[[32, 32]] * m for m in n_images])  # fmt: skip
+    path.mkdir(parents=True, exist_ok=True)
+    DatasetIndex(path, "fp", image_token_count, "test", [shard]).save()
+    return load_index(path, check_files=False)
+
+
+def stats_of(lengths, n_images=None):
+    n_images = np.zeros(len(lengths), dtype=np.int64) if n_images is None else np.asarray(n_images)
+    return LengthStats(np.asarray(lengths), np.asarray(lengths), n_images, 1)
+
+
+def test_collect_expands_images(tmp_path):
+    idx = write_index(tmp_path / "d", [10, 20, 30], [0, 1, 2], image_token_count=16)
+    s = collect([idx, idx], image_token_count=16)
+    assert s.total_tokens.tolist() == [10, 35, 60] * 2
+    assert s.text_tokens.tolist() == [10, 20, 30] * 2 and s.n_images.tolist() == [0, 1, 2] * 2
+
+
+def test_waste_exact():
+    # 6 samples of 100 tokens and 2 of 300; budget 256; batches of 1 (no padding) -> only truncation/drop count.
+    w = waste(stats_of([100] * 6 + [300] * 2), budget=256, batch_size=1)
+    assert w.pad_to_longest == 0.0 and w.constrained == 0.0
+    assert w.constrained_truncated_samples == 2
+    assert w.constrained_lost_tokens == pytest.approx(88 / 1200)
+    assert w.over_budget == 2 and w.over_budget_tokens == pytest.approx(0.5)
+    assert w.packing == pytest.approx(1 - 600 / 768)  # the 6 short ones in 3 packs of 2
+    assert w.packing_ffd == pytest.approx(1 - 600 / 768)
+    # Equal lengths never pad; alternating 10/30 in pairs of 2 waste exactly 1 - 40/60 whatever the order...
+    assert waste(stats_of([50] * 8), 1024, batch_size=4).pad_to_longest == 0.0
+    w = waste(stats_of([10, 30] * 50 + [30] * 0), 1024, batch_size=100)
+    assert w.pad_to_longest == pytest.approx(1 - 2000 / 3000)
+    assert w.packing == pytest.approx(1 - 2000 / 2048)  # 2000 tokens fit in 2 packs of 1024
+
+
+def test_image_budget_binding_is_reported():
+    w = waste(stats_of([10] * 100, [1] * 100), 1024, max_images=4)
+    assert w.image_bound_packs == 1.0 and w.packing == pytest.approx(1 - 1000 / (25 * 1024))
+
+
+def test_recommendation_rules():
+    r = recommend(stats_of([30] * 1000))
+    assert (r.max_tokens, r.overlength) == (256, "drop")  # 8 x 30 = 240 -> 256, nothing over
+    r = recommend(stats_of([100] * 1000 + [10000]))
+    assert (r.max_tokens, r.overlength) == (1024, "drop")  # one outlier (0.1%) is dropped, not the budget raised
+    r = recommend(stats_of([1000] * 900 + [40000] * 100), cap=16384)
+    assert (r.max_tokens, r.overlength) == (16384, "truncate")  # 10% over the memory cap: truncate
+    assert any("capped at 16384" in x for x in r.reasons)
+    r = recommend(stats_of([100] * 100, [1] * 100), max_images=4)
+    assert any("data.max_images=4" in x for x in r.reasons)
+
+
+def test_analyze_cli_writes_plots_and_summary(tmp_path, make_dataset, capsys):
+    from nanovlm.cli.analyze_data import main
+
+    idx = make_dataset(tmp_path / "ds", 40, samples_per_shard=16, image_token_count=16)
+    for s in idx.shards:  # the report reads only index.json
+        (tmp_path / "ds" / s.name).unlink()
+    out = tmp_path / "report"
+    assert main([str(tmp_path / "ds"), "--out", str(out), "--max-tokens", "256", "--image-token-count", "16"]) == 0
+    for name in ("text_tokens.png", "total_tokens.png", "images_per_sample.png", "waste.png", "waste_vs_budget.png"):
+        data = (out / name).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000, name
+    summary = (out / "summary.md").read_text()
+    report = json.loads((out / "report.json").read_text())
+    totals = np.array(idx.total_tokens(16))
+    assert report["num_samples"] == 40 and "Samples: 40;" in summary
+    assert report["total_tokens"]["max"] == totals.max()
+    assert report["waste"]["over_budget"] == int((totals > 256).sum())
+    assert (
+        f"`data.max_tokens={report['recommended_max_tokens']} data.overlength={report['recommended_overlength']}`"
+        in summary
+    )
+    assert "pad to longest" in summary and "packing, online best-fit" in summary
+    assert "recommended: data.max_tokens=" in capsys.readouterr().out
+
+
+def test_analyze_cli_errors(tmp_path):
+    from nanovlm.cli.analyze_data import main
+
+    with pytest.raises(SystemExit, match="no index.json"):
+        main([str(tmp_path), "--out", str(tmp_path / "r")])
+    write_index(tmp_path / "d", [1], [0])
+    with pytest.raises(SystemExit, match="must be positive"):
+        main([str(tmp_path / "d"), "--out", str(tmp_path / "r"), "--max-tokens", "0"])
