@@ -151,6 +151,7 @@ class TrainerConfig:
     seed: int = 1234  # model init and dropout seed
     eval_at_end: bool = True  # after training: held-out accuracy and a few generated answers
     eval_samples: int = 64  # held-out samples for the end-of-run evaluation
+    stop_at_step: int = 0  # save a checkpoint and stop after this step, as if preempted (time-sliced jobs); 0 = off
 
 
 # ----------------------------------------------------------------------------------------------------------

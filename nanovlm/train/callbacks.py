@@ -322,7 +322,11 @@ def start_summary(cfg: Config, config_files: list[str], trainer: pl.Trainer, mod
     dm = trainer.datamodule
     summary: dict[str, Any] = dm.summary() if dm is not None and hasattr(dm, "summary") else {}
     if summary:
-        shown = ", ".join(f"{k}={v}" for k, v in summary.items() if not isinstance(v, (dict, list)))
+        shown = ", ".join(
+            f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}"
+            for k, v in summary.items()
+            if not isinstance(v, (dict, list))
+        )
         lines.append(f"data          : {shown}")
         packs = summary.get("packs_per_epoch") or summary.get("estimated_packs_per_epoch")
         if packs:

@@ -138,8 +138,9 @@ class PeriodicCheckpoint(pl.Callback):
     agree on it (one all-reduce), save a checkpoint and stop.
     """
 
-    def __init__(self, directory: str | os.PathLike, every_n_steps: int, keep_last: int) -> None:
+    def __init__(self, directory: str | os.PathLike, every_n_steps: int, keep_last: int, stop_at_step: int = 0) -> None:
         self.dir = Path(directory)
+        self.stop_at_step = stop_at_step  # behave as if a signal arrived at this step (0 = never)
         self.every_n_steps = every_n_steps
         self.keep_last = max(1, keep_last)
         self.preempted = False  # set when training stopped because of a signal
@@ -180,13 +181,14 @@ class PeriodicCheckpoint(pl.Callback):
         if step == self._last_step:  # inside a gradient-accumulation window: not a step boundary
             return
         self._last_step = step
-        stop = _any_rank(self._signal_received, pl_module.device)
+        stop = _any_rank(self._signal_received, pl_module.device) or step == self.stop_at_step
         if stop and step < trainer.max_steps:
             path = self.save(trainer)
             self.preempted = True
             trainer.should_stop = True
             if trainer.is_global_zero:
-                print(f"[checkpoint] signal received: saved {path} at step {step}; stopping (rerun to resume)")
+                why = "signal received" if self._signal_received else "trainer.stop_at_step reached"
+                print(f"[checkpoint] {why}: saved {path} at step {step}; stopping (rerun to resume)", flush=True)
             return
         if self.every_n_steps > 0 and step % self.every_n_steps == 0 and step < trainer.max_steps:
             self.save(trainer)

@@ -126,8 +126,10 @@ class VLMModule(pl.LightningModule):
             dist.all_reduce(totals)
         if totals[1] > 0:
             val_loss = (totals[0] / totals[1]).float()
-            self.log("val/loss", val_loss, prog_bar=True, rank_zero_only=True)
+            self.log("val_loss", val_loss, prog_bar=True, logger=False, sync_dist=False)
             if self.trainer.is_global_zero:
+                for logger in self.trainer.loggers:
+                    logger.log_metrics({"val/loss": float(val_loss)}, step=self.trainer.global_step)
                 print(
                     f"[val] step {self.trainer.global_step}: val/loss {val_loss.item():.4f} over {int(totals[1])} tokens"
                 )

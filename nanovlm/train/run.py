@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -84,7 +85,9 @@ def build_trainer(
 ) -> tuple[pl.Trainer, PeriodicCheckpoint, Telemetry]:
     """The Lightning Trainer for ``cfg`` with the project's callbacks (in the order they must run)."""
     t = cfg.trainer
-    ckpt = PeriodicCheckpoint(checkpoint_dir(cfg), cfg.checkpoint.every_n_steps, cfg.checkpoint.keep_last)
+    ckpt = PeriodicCheckpoint(
+        checkpoint_dir(cfg), cfg.checkpoint.every_n_steps, cfg.checkpoint.keep_last, t.stop_at_step
+    )
     telemetry = Telemetry(cfg)
     callbacks: list[pl.Callback] = [
         StartSummary(cfg, config_files or []),
@@ -97,9 +100,10 @@ def build_trainer(
 
         callbacks.append(TQDMProgressBar(refresh_rate=max(1, min(10, t.log_every_n_steps))))
     accum = t.accumulate_grad_batches
-    # The training stream is infinite: validation is scheduled in micro-batches, and "0" means at the last step.
-    val_every = t.val_every_n_steps if t.val_every_n_steps > 0 else t.max_steps
+    # The training stream is infinite: periodic validation is scheduled in micro-batches; the final one is run
+    # by ``train`` after fit (see there).
     has_val = bool(cfg.data.val) and t.val_batches > 0
+    periodic_val = has_val and t.val_every_n_steps > 0
     plugins: list[Any] = [AtomicCheckpointIO()]
     if "SLURM_NTASKS" in os.environ:
         from lightning.pytorch.plugins.environments import SLURMEnvironment
@@ -115,7 +119,7 @@ def build_trainer(
         max_epochs=-1,
         accumulate_grad_batches=accum,
         gradient_clip_val=cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else None,
-        val_check_interval=val_every * accum if has_val else None,
+        val_check_interval=t.val_every_n_steps * accum if periodic_val else None,
         check_val_every_n_epoch=None,
         limit_val_batches=t.val_batches if has_val else 0,
         num_sanity_val_steps=0,
@@ -132,6 +136,18 @@ def build_trainer(
     return trainer, ckpt, telemetry
 
 
+def resumed_finished(resume: Path | None, t: Any) -> bool:
+    """True when the run resumed from the checkpoint of its last step (nothing was trained in this call)."""
+    return resume is not None and resume.name == f"step-{t.max_steps:08d}.ckpt"
+
+
+def quiet_known_warnings() -> None:
+    """Warnings that do not apply to this template (validation loss is all-reduced by the module itself)."""
+    warnings.filterwarnings("ignore", message=".*sync_dist=True.*")
+    warnings.filterwarnings("ignore", message=".*LeafSpec.*")
+    warnings.filterwarnings("ignore", message=".*litlogger.*")
+
+
 def train(
     cfg: Config,
     config_files: list[str] | None = None,
@@ -139,6 +155,7 @@ def train(
     module: VLMModule | None = None,
 ) -> TrainResult:
     """Train (or resume) the run described by ``cfg``; evaluate at the end when ``trainer.eval_at_end``."""
+    quiet_known_warnings()
     pl.seed_everything(cfg.trainer.seed, workers=True, verbose=False)
     ensure_data(cfg)
     if datamodule is None:
@@ -154,6 +171,11 @@ def train(
         if resume is not None:
             print(f"[resume] from {resume}", flush=True)
     trainer.fit(module, datamodule=datamodule, ckpt_path=resume, weights_only=True)
+    t = cfg.trainer
+    finished = not ckpt.preempted and trainer.global_step >= t.max_steps
+    validated_last = t.val_every_n_steps > 0 and t.max_steps % t.val_every_n_steps == 0
+    if finished and cfg.data.val and t.val_batches > 0 and not validated_last and not resumed_finished(resume, t):
+        trainer.validate(module, datamodule=datamodule, verbose=False)
     result = TrainResult(
         run_dir=Path(cfg.trainer.run_dir),
         global_step=trainer.global_step,
@@ -162,7 +184,7 @@ def train(
         resumed_from=resume,
         telemetry=telemetry.history,
     )
-    if cfg.trainer.eval_at_end and not ckpt.preempted and trainer.global_step >= cfg.trainer.max_steps:
+    if t.eval_at_end and finished:
         from nanovlm.train.evaluate import evaluate_at_end
 
         result.eval = evaluate_at_end(cfg, module, datamodule, trainer)

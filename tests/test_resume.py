@@ -1,0 +1,155 @@
+"""Exact resume through ``scripts/train.py`` subprocesses on CPU (fp32, tiny model, small demo dataset).
+
+For each setting an uninterrupted run of N steps is compared with a run stopped at step k
+(``trainer.stop_at_step``, the same path a SIGTERM takes) and resumed to N: the per-micro-batch sample keys
+and losses in steps.jsonl (every rank) must be identical, bitwise, and so must the final weights.
+Settings: single process with DataLoader workers, gradient accumulation; DDP with 2 processes; FSDP2 with 2
+processes (gloo); and a ``kill -9`` mid-run followed by a rerun that resumes from the last checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from nanovlm.train.checkpoint import checkpoint_name, list_checkpoints
+
+REPO = Path(__file__).resolve().parent.parent
+TIMEOUT = 300
+
+
+def tiny_overrides(data: Path) -> list[str]:
+    """A ~80K-parameter model (4 tokens per image) on a 160-sample demo dataset, 256-token packs."""
+    return [
+        "model.vision.image_size=16",
+        "model.vision.patch_size=4",
+        "model.vision.hidden_size=32",
+        "model.vision.num_layers=1",
+        "model.vision.num_heads=2",
+        "model.vision.intermediate_size=64",
+        "model.language.hidden_size=48",
+        "model.language.num_layers=2",
+        "model.language.num_heads=4",
+        "model.language.num_kv_heads=2",
+        "model.language.intermediate_size=96",
+        f"data.train=[{data}/train]",
+        f"data.val=[{data}/val]",
+        f"data.tokenizer={data}/tokenizer",
+        "data.make_demo_if_missing=false",
+        "data.max_tokens=256",
+        "data.num_workers=1",
+        "trainer.accelerator=cpu",
+        "trainer.progress_bar=false",
+        "trainer.log_every_n_steps=2",
+        "trainer.eval_at_end=false",
+        "trainer.val_batches=2",
+        "optim.warmup_steps=2",
+    ]
+
+
+@pytest.fixture(scope="session")
+def small_demo(tmp_path_factory) -> Path:
+    from nanovlm.data.demo import make_demo_data
+
+    root = tmp_path_factory.mktemp("demo_small")
+    make_demo_data(root, train_samples=160, val_samples=24, samples_per_shard=40, image_token_count=4)
+    return root
+
+
+def train_cmd(data: Path, run_dir: Path, *extra: str) -> list[str]:
+    return [sys.executable, "scripts/train.py", *tiny_overrides(data), f"trainer.run_dir={run_dir}", *extra]
+
+
+def run_train(data: Path, run_dir: Path, *extra: str) -> str:
+    proc = subprocess.run(train_cmd(data, run_dir, *extra), cwd=REPO, capture_output=True, text=True, timeout=TIMEOUT)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    return out
+
+
+def steps(run_dir: Path, rank: int = 0) -> list[tuple]:
+    name = "steps.jsonl" if rank == 0 else f"steps.rank{rank}.jsonl"
+    rows = [json.loads(line) for line in (run_dir / name).read_text().splitlines()]
+    return [(r["micro"], r["step"], tuple(r["keys"]), r["loss"]) for r in rows]
+
+
+def final_weights(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
+    return torch.load(run_dir / "checkpoints" / checkpoint_name(step), weights_only=True)["state_dict"]
+
+
+def assert_same_run(full: Path, resumed: Path, n_micro: int, ranks: int, final_step: int) -> None:
+    for rank in range(ranks):
+        a, b = steps(full, rank), steps(resumed, rank)
+        assert len(a) == n_micro, a
+        assert [r[0] for r in a] == list(range(n_micro))
+        assert b == a, f"rank {rank}: resumed run differs from the uninterrupted one"
+        assert all(r[2] for r in a), "every micro-batch trained some samples"
+    wa, wb = final_weights(full, final_step), final_weights(resumed, final_step)
+    assert wa.keys() == wb.keys()
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def interrupted_then_resumed(data: Path, run_dir: Path, k: int, *extra: str) -> None:
+    out = run_train(data, run_dir, f"trainer.stop_at_step={k}", *extra)
+    assert "trainer.stop_at_step reached: saved" in out
+    assert [s for s, _ in list_checkpoints(run_dir / "checkpoints")][-1] == k
+    out = run_train(data, run_dir, *extra)  # same command, checkpoint.resume=auto
+    assert f"[resume] from {run_dir / 'checkpoints' / checkpoint_name(k)}" in out
+
+
+@pytest.mark.slow
+def test_exact_resume_single_process_workers_accumulation(small_demo, tmp_path):
+    extra = ["trainer.max_steps=6", "trainer.accumulate_grad_batches=2", "checkpoint.every_n_steps=2"]
+    run_train(small_demo, tmp_path / "full", *extra)
+    interrupted_then_resumed(small_demo, tmp_path / "resumed", 3, *extra)
+    assert_same_run(tmp_path / "full", tmp_path / "resumed", n_micro=12, ranks=1, final_step=6)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_exact_resume_two_processes(small_demo, tmp_path, strategy):
+    extra = ["trainer.max_steps=5", "trainer.devices=2", f"trainer.strategy={strategy}", "checkpoint.every_n_steps=0"]
+    run_train(small_demo, tmp_path / "full", *extra)
+    interrupted_then_resumed(small_demo, tmp_path / "resumed", 2, *extra)
+    assert_same_run(tmp_path / "full", tmp_path / "resumed", n_micro=5, ranks=2, final_step=5)
+    # the two ranks trained different samples
+    a0, a1 = steps(tmp_path / "full", 0), steps(tmp_path / "full", 1)
+    assert not set(k for r in a0 for k in r[2]) & set(k for r in a1 for k in r[2])
+
+
+@pytest.mark.slow
+def test_kill_9_mid_run_resumes_from_last_checkpoint(small_demo, tmp_path):
+    extra = ["trainer.max_steps=8", "checkpoint.every_n_steps=2", "checkpoint.keep_last=2"]
+    run_train(small_demo, tmp_path / "full", *extra)
+    run_dir = tmp_path / "killed"
+    proc = subprocess.Popen(
+        train_cmd(small_demo, run_dir, *extra),
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,  # its own process group: kill -9 takes the DataLoader worker down too
+    )
+    deadline = time.time() + TIMEOUT
+    try:
+        while not list_checkpoints(run_dir / "checkpoints") and proc.poll() is None:
+            assert time.time() < deadline, "no checkpoint appeared"
+            time.sleep(0.2)
+        os.killpg(proc.pid, signal.SIGKILL)
+    finally:
+        proc.wait(timeout=60)
+    assert proc.returncode == -signal.SIGKILL, "the run finished before it could be killed"
+    left = [s for s, _ in list_checkpoints(run_dir / "checkpoints")]
+    assert left and left[-1] < 8
+    out = run_train(small_demo, run_dir, *extra)
+    assert f"[resume] from {run_dir / 'checkpoints' / checkpoint_name(left[-1])}" in out
+    assert not list((run_dir / "checkpoints").glob("*.tmp"))
+    assert_same_run(tmp_path / "full", run_dir, n_micro=8, ranks=1, final_step=8)
