@@ -30,7 +30,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", metavar="PATH", help="write every figure as JSON here")
     p.add_argument("--markdown", metavar="PATH", help="also write the markdown report here")
     p.add_argument("--plot", metavar="PATH", help="write the fill-per-strategy plot (PNG) here")
-    p.add_argument("--reps", type=int, default=5, help="timed repetitions per measurement (>= 5 for reported numbers)")
+    p.add_argument(
+        "--reps", type=int, default=None, help="timed repetitions per measurement (default 5; 3 with --quick)"
+    )
     p.add_argument("--config", action="append", default=[], help="config file(s) for the data/model sections")
     p.add_argument("--index", action="append", default=[], metavar="DIR", help="dataset dir(s) whose lengths to pack")
     p.add_argument(
@@ -55,6 +57,8 @@ def main(argv: list[str] | None = None) -> int:
     if bad:
         print(f"unknown section(s) {bad}; choose from {list(SECTIONS)}", file=sys.stderr)
         return 2
+    if args.reps is None:
+        args.reps = 3 if args.quick else 5
     if args.reps < 1:
         print("--reps must be >= 1", file=sys.stderr)
         return 2
