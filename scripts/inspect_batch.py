@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Print packed batches of a run's DataModule: python scripts/inspect_batch.py [--config FILE] [key=value ...]."""
+"""Draw packed batches: python scripts/inspect_batch.py DATASET_DIR --out FILE.png [key=value ...]  (see --help)."""
 
 import sys
 
