@@ -80,11 +80,29 @@ def test_inspect_batch_cli(tmp_path, make_dataset, tiny_tokenizer, capsys):
 
     make_dataset(tmp_path / "ds", 60, samples_per_shard=20, image_token_count=16)
     out = tmp_path / "b.png"
-    rc = main([str(tmp_path / "ds"), "--out", str(out), "--batches", "3", f"data.tokenizer={tiny_tokenizer.name_or_path}",
-               "data.max_tokens=256"])  # fmt: skip
+    rc = main([str(tmp_path / "ds"), "--out", str(out), "--batches", "3", "--samples", "1",
+               f"data.tokenizer={tiny_tokenizer.name_or_path}", "data.max_tokens=256"])  # fmt: skip
     assert rc == 0 and out.read_bytes()[:4] == b"\x89PNG"
     printed = capsys.readouterr().out
+    assert f"dataset {tmp_path / 'ds'}: 60 samples in 3 shards" in printed
     assert "drew 3 rows from 3 batches" in printed and "max_tokens=256" in printed
+    assert printed.count("batch ") >= 3 and "input_ids (1, 256) int64" in printed
+    # Decoded samples mark the loss span and the image tokens.
+    decoded = [line for line in printed.splitlines() if line.startswith("  - s")]
+    assert len(decoded) == 3
+    assert all("[[answer " in line and "<|im_end|>]]" in line for line in decoded)
+
+
+def test_decode_marked(tiny_tokenizer):
+    from nanovlm.cli.inspect_batch import decode_marked
+
+    tok = tiny_tokenizer
+    img = tok.convert_tokens_to_ids("<image>")
+    a = tok("hi", add_special_tokens=False)["input_ids"]
+    b = tok("red", add_special_tokens=False)["input_ids"]
+    ids = a + [img] * 3 + b
+    labels = [X] * (len(a) + 3) + b
+    assert decode_marked(tok, ids, labels, img) == "hi<image x3>[[red]]"
 
 
 def test_inspect_batch_errors(tmp_path):
