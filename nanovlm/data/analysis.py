@@ -262,7 +262,7 @@ def write_report(
     plots["images_per_sample.png"] = "bar chart of images per sample"
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    names = ["pad to longest", "constrained\n(truncate)", "packing\n(online)", "packing\n(FFD optimum)"]
+    names = ["pad to longest", "constrained\n(truncate)", "packing\n(online)", "packing\n(FFD reference)"]
     values = [w.pad_to_longest, w.constrained, w.packing, w.packing_ffd]
     bars = ax.bar(names, [100 * v for v in values], color=["#C44E52", "#DD8452", "#4C72B0", "#8172B3"])
     for b, v in zip(bars, values):
@@ -322,7 +322,7 @@ def write_report(
         f"| constrained padding, truncate at {budget} | {w.constrained:.1%} | 0 ({w.constrained_truncated_samples} truncated) | {w.constrained_lost_tokens:.2%} |",
         f"| constrained padding, drop above {budget} | - | {w.over_budget} | {w.over_budget_tokens:.2%} |",
         f"| packing, online best-fit (training) | {w.packing:.1%} | {w.over_budget} (overlength=drop) | {w.over_budget_tokens:.2%} |",
-        f"| packing, offline FFD optimum | {w.packing_ffd:.1%} | {w.over_budget} | {w.over_budget_tokens:.2%} |",
+        f"| packing, offline FFD reference | {w.packing_ffd:.1%} | {w.over_budget} | {w.over_budget_tokens:.2%} |",
         "",
     ]
     if w.over_images:
