@@ -49,13 +49,15 @@ def take(dm, n, consume=True):
     """The next n batches of a fresh train loader (advancing the position like a training loop)."""
     out = []
     it = iter(dm.train_dataloader())
-    for batch in it:
-        if consume:
-            dm.on_batch_consumed(batch)
-        out.append(batch)
-        if len(out) == n:
-            break
-    del it
+    try:
+        for batch in it:
+            if consume:
+                dm.on_batch_consumed(batch)
+            out.append(batch)
+            if len(out) == n:
+                break
+    finally:
+        del it  # shut the loader down now, even when an exception keeps this frame alive in a traceback
     return out
 
 

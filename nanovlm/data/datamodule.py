@@ -371,13 +371,20 @@ class PackedMultimodalDataModule(L.LightningDataModule):
         return self._plan_cache[1]
 
     def _start_epoch_accounting(self) -> None:
-        plan = self.current_plan()
-        pos = plan.rank_positions(self.rank)
-        self._planned_per_ds = np.bincount(self.table.dataset[plan.order[pos]], minlength=len(self.table.dataset_names))
+        self._planned_per_ds = None  # computed on first use: a resume builds only the restored epoch's plan
+
+    def _planned_samples(self) -> np.ndarray:
+        """Samples per directory planned for this rank in the current epoch (the skip-rate denominators)."""
+        if self._planned_per_ds is None:
+            plan = self.current_plan()
+            pos = plan.rank_positions(self.rank)
+            n_dirs = len(self.table.dataset_names)
+            self._planned_per_ds = np.bincount(self.table.dataset[plan.order[pos]], minlength=n_dirs)
+        return self._planned_per_ds
 
     # ---- loaders ---------------------------------------------------------------------------------------------
 
-    def _loader(self, stream: _PackStream) -> DataLoader:
+    def _loader(self, stream: _PackStream, persistent: bool = False) -> DataLoader:
         nw = self.cfg.num_workers
         pin = self._pin_arg
         if pin is None:
@@ -389,7 +396,8 @@ class PackedMultimodalDataModule(L.LightningDataModule):
             num_workers=nw,
             pin_memory=pin,
             prefetch_factor=1 if nw else None,  # the producer's queue already buffers ahead
-            persistent_workers=False,
+            # validation reuses its workers: torch joins exhausted workers only after their 5 s poll timeout
+            persistent_workers=persistent and nw > 0,
         )
         dl.wait_sink = self._wait
         return dl
@@ -406,7 +414,7 @@ class PackedMultimodalDataModule(L.LightningDataModule):
             self.setup("fit")
         if self.val_table is None:
             return []
-        return self._loader(_PackStream(self._stream_spec(val=True), _Position()))
+        return self._loader(_PackStream(self._stream_spec(val=True), _Position()), persistent=True)
 
     # ---- position ----------------------------------------------------------------------------------------------
 
@@ -458,7 +466,7 @@ class PackedMultimodalDataModule(L.LightningDataModule):
         for (_reason, ds), n in self._epoch_skips.items():
             per_ds[ds] += n
         for ds, n in per_ds.items():
-            planned = int(self._planned_per_ds[ds]) if self._planned_per_ds is not None else 0
+            planned = int(self._planned_samples()[ds])
             if planned and n > self.cfg.max_skip_rate * planned:
                 reasons = Counter({r: c for (r, d), c in self._epoch_skips.items() if d == ds}).most_common(3)
                 raise SkipRateError(
