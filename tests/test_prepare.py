@@ -413,3 +413,17 @@ def test_prepare_data_bad_tokenizer_and_nothing_written(tmp_path, tiny_tokenizer
     assert _prepare(tiny_tokenizer, "--input", str(src), "--output", str(tmp_path / "o")) == 1
     assert "no sample could be written" in capsys.readouterr().err
     assert len((tmp_path / "o" / "rejected.jsonl").read_text().splitlines()) == 2
+
+
+def test_scan_tar_reports_a_bad_header_instead_of_stopping_silently(tmp_path, make_dataset):
+    idx = make_dataset(tmp_path / "ds", 4, samples_per_shard=4)
+    path = idx.shard_path(0)
+    shard = idx.shards[0]
+    data = bytearray(path.read_bytes())
+    data[shard.offsets[2] + 148 : shard.offsets[2] + 156] = b"XXXXXXXX"  # checksum of sample 2's first header
+    path.write_bytes(bytes(data))
+    seen = []
+    with pytest.raises(tarfile.ReadError, match=f"unreadable tar header at byte {shard.offsets[2]}"):
+        for s in scan_tar(path):
+            seen.append(s.key)
+    assert seen == shard.keys[:2]

@@ -164,7 +164,9 @@ def scan_tar(path: str | os.PathLike) -> Iterator[TarSample]:
     """Yield the samples of a tar in file order, grouping consecutive members with the same key.
 
     Reads headers only (tarfile seeks over the data). Non-file members are skipped. A corrupt tar raises
-    tarfile.TarError from the point where it breaks.
+    tarfile.TarError from the point where it breaks, after yielding the samples before it: tarfile alone would
+    treat a bad header as the end of the archive and silently lose the rest, so the bytes after the last
+    member are checked to be the zero blocks that really end an archive.
     """
     with tarfile.open(path, mode="r:") as tf:
         current: TarSample | None = None
@@ -182,6 +184,23 @@ def scan_tar(path: str | os.PathLike) -> Iterator[TarSample]:
             current = TarSample(key, info.offset, end - info.offset, [(suffix, info.offset_data, info.size)])
         if current is not None:
             yield current
+        end = tf.offset  # where tarfile stopped: the end-of-archive blocks, or a header it could not parse
+    _check_archive_end(path, end)
+
+
+def _check_archive_end(path: str | os.PathLike, offset: int) -> None:
+    """Raise tarfile.ReadError unless everything from ``offset`` to the end of the file is zero bytes."""
+    with open(path, "rb") as f:
+        f.seek(offset)
+        pos = offset
+        while chunk := f.read(1 << 16):
+            if chunk.count(0) != len(chunk):
+                bad = pos + next(i for i, b in enumerate(chunk) if b)
+                raise tarfile.ReadError(
+                    f"{path}: unreadable tar header at byte {offset} (data continues at byte {bad}); "
+                    "the samples from there on are lost"
+                )
+            pos += len(chunk)
 
 
 def read_sample(

@@ -18,6 +18,7 @@ from __future__ import annotations
 import io
 import os
 import re
+import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,7 +55,9 @@ def inspect_image(data: bytes, max_pixels: int = 0, key: str = "") -> tuple[str,
     are caught here, at preparation time, not in the middle of training.
     """
     try:
-        img = Image.open(io.BytesIO(data))
+        with warnings.catch_warnings():  # our own max_pixels check below replaces PIL's warning
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            img = Image.open(io.BytesIO(data))
         w, h = img.size
         fmt = img.format
         if max_pixels > 0 and w * h > max_pixels:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import io
 import re
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -42,7 +43,9 @@ def decode_image(data: bytes, max_pixels: int = 0, draft_size: int = 0, key: str
     Raises SampleError ``image_too_large`` or ``unreadable_image`` (also for truncated files).
     """
     try:
-        img = Image.open(io.BytesIO(data))
+        with warnings.catch_warnings():  # our own max_pixels check below replaces PIL's warning
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            img = Image.open(io.BytesIO(data))
         w, h = img.size
         if max_pixels > 0 and w * h > max_pixels:
             raise SampleError("image_too_large", key, f"{w}x{h} > max_image_pixels={max_pixels}")
