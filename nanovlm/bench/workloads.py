@@ -17,10 +17,9 @@ def bench_config(args: argparse.Namespace, overrides: list[str] | None = None) -
 
 def demo_dirs(cfg: Config) -> tuple[list[str], str]:
     """Train dirs and tokenizer of ``cfg``, building the procedural demo dataset first when it is missing."""
-    if cfg.data.make_demo_if_missing:
-        from nanovlm.data.demo import ensure_demo_data
+    from nanovlm.train.run import ensure_data
 
-        ensure_demo_data(cfg.data)
+    ensure_data(cfg)
     return list(cfg.data.train), cfg.data.tokenizer
 
 

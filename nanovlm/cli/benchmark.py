@@ -33,6 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--reps", type=int, default=None, help="timed repetitions per measurement (default 5; 3 with --quick)"
     )
+    p.add_argument("--synthetic-samples", type=int, default=0, help="samples per synthetic distribution (default 20000; 3000 with --quick)")
     p.add_argument("--config", action="append", default=[], help="config file(s) for the data/model sections")
     p.add_argument("--index", action="append", default=[], metavar="DIR", help="dataset dir(s) whose lengths to pack")
     p.add_argument(
@@ -119,6 +120,8 @@ def _run_section(name: str, args: argparse.Namespace) -> tuple[dict[str, Any], s
 
         plan = packing_section.PackingPlan.quick() if args.quick else packing_section.PackingPlan()
         plan.reps, plan.seed = args.reps, args.seed
+        if args.synthetic_samples:
+            plan.synthetic_samples = args.synthetic_samples
         from nanovlm.bench.workloads import index_length_sets
 
         plan.index_sets, plan.index_budget = index_length_sets(args)

@@ -1,0 +1,152 @@
+"""The benchmark suite: its baselines behave as described, and ``--quick`` writes well-formed JSON and markdown.
+
+No timing is asserted anywhere: timings depend on the machine. What is asserted is structure (every section,
+every strategy, every figure present and in range) and the exact behaviour of the re-implemented baselines.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from nanovlm.bench.baselines import balanced_greedy_knapsack, flattening_steps
+from nanovlm.bench.common import Stats, percentile
+from nanovlm.bench.distributions import LengthSet, from_index, lognormal, mixture
+from nanovlm.bench.packing_bench import plan_metrics, run_cell
+from nanovlm.cli.benchmark import main
+
+
+def _groups(plan) -> list[list[int]]:
+    return sorted(sorted(g) for g in plan.steps)
+
+
+def test_knapsack_is_worst_fit_decreasing_over_a_presized_pool():
+    lengths, images = [5, 4, 3, 3, 2, 1], [0] * 6
+    # delta 0: ceil(18 / 8) = 3 bins; each item goes to the least-loaded bin that fits.
+    plan = balanced_greedy_knapsack(lengths, images, 8, num_sequences=100, delta=0, separator_tokens=0)
+    assert _groups(plan) == [[0, 5], [1, 4], [2, 3]]
+    assert plan.slots == [8, 8, 8] and sorted(plan.tokens) == [6, 6, 6]
+    # delta 2: 5 bins up front, so the items spread out (the balancing that costs fill).
+    plan = balanced_greedy_knapsack(lengths, images, 8, num_sequences=100, delta=2, separator_tokens=0)
+    assert _groups(plan) == [[0], [1], [2], [3], [4, 5]]
+
+
+def test_knapsack_image_cap_filters_and_separator():
+    # Item 2 would go to the least-loaded bin, but that bin's image budget is full: it goes to the other one.
+    lengths, images = [4, 3, 2], [1, 2, 1]
+    plan = balanced_greedy_knapsack(lengths, images, 8, num_sequences=100, delta=0, max_images_per_knapsack=2, separator_tokens=0)
+    assert _groups(plan) == [[0, 2], [1]]
+    assert max(plan.images) <= 2
+    # Filters: length >= max_sample_length, more than max_images_per_example images; separator takes a slot.
+    plan = balanced_greedy_knapsack([8, 7, 3, 2], [0, 0, 5, 1], 8, num_sequences=100, delta=0, separator_tokens=1)
+    assert plan.dropped == [0, 2]
+    assert _groups(plan) == [[1], [3]]  # 7 + 1 separator fills a pack; 2 + 1 cannot join it
+    assert sorted(plan.tokens) == [2, 7]  # real tokens exclude separators
+
+
+def test_knapsack_buffers_the_stream():
+    # A buffer of one pack's worth: packing decisions never cross buffer boundaries.
+    plan = balanced_greedy_knapsack([3, 3, 3, 3], [0] * 4, 6, num_sequences=1, delta=0, separator_tokens=0)
+    assert _groups(plan) == [[0, 1], [2, 3]]
+
+
+def test_flattening_runs_the_real_collator():
+    plan = flattening_steps([3, 5, 2, 7, 1], [1, 0, 0, 2, 1], batch_size=2, max_len=6)
+    assert plan.steps == [[0, 1], [2, 4]]  # sample 3 (7 > 6) is dropped before batching
+    assert plan.dropped == [3]
+    assert plan.slots == [8, 3] and plan.tokens == [8, 3] and plan.images == [1, 1]
+    assert not plan.fixed_budget
+
+
+def test_plan_metrics_exact():
+    ls = LengthSet("t", [4, 4, 2, 6], [1, 0, 0, 1])
+    plan = flattening_steps(ls.lengths, ls.n_images, batch_size=2)
+    m = plan_metrics(plan, ls, L=8, bound_fill=1.0, ffd_fill=1.0)
+    assert m["fill"] == 1.0 and m["fill_at_peak"] == 1.0 and m["steps"] == 2
+    assert m["slots_per_step_mean"] == 8 and m["dropped_samples"] == 0 and m["gap_to_bound_pp"] == 0.0
+
+
+def test_stats_and_percentile():
+    s = Stats.of([3.0, 1.0, 2.0, 5.0, 4.0])
+    assert (s.median, s.min, s.max, s.q1, s.q3, s.n) == (3.0, 1.0, 5.0, 2.0, 4.0, 5)
+    assert percentile([1, 2, 3, 4], 50) == 2.5 and percentile([1, 2, 3, 4], 100) == 4
+    with pytest.raises(ValueError):
+        Stats.of([])
+
+
+def test_distributions_deterministic_and_index_lengths(tmp_path, make_dataset):
+    assert lognormal(50, seed=3).lengths == lognormal(50, seed=3).lengths
+    assert mixture(50, seed=3).lengths != mixture(50, seed=4).lengths
+    idx = make_dataset(tmp_path / "ds", 20, samples_per_shard=8)
+    ls = from_index(tmp_path / "ds", image_token_count=16)
+    assert ls.lengths == idx.total_tokens(16)
+    with pytest.raises(FileNotFoundError, match="index.json"):
+        from_index(tmp_path / "nothing")
+
+
+def test_run_cell_ranks_every_strategy():
+    cell = run_cell(lognormal(400, seed=0), 2048, max_images=64, reps=1)
+    names = [r["strategy"] for r in cell["rows"]]
+    assert names[0].startswith("ours") and names[-1].startswith("FFD")
+    assert any(n.startswith("mmdp knapsack") for n in names)
+    assert any(n.startswith("DataCollatorWithFlattening") for n in names)
+    assert cell["lower_bound_packs"] == math.ceil(sum(n for n in lognormal(400, seed=0).lengths if n <= 2048) / 2048)
+    for r in cell["rows"]:
+        assert 0.0 < r["fill"] <= 1.0
+        if r["strategy"].startswith(("ours", "mmdp", "FFD")):  # packs of L slots: never fewer than the bound
+            assert r["steps"] >= cell["lower_bound_packs"] and r["slots_per_step_max"] == 2048
+
+
+def _check_doc(doc: dict, sections: list[str]) -> None:
+    assert set(doc["sections"]) == set(sections)
+    assert doc["machine"]["cores"] >= 1 and doc["machine"]["torch"]
+    json.dumps(doc)  # plain JSON all the way down
+
+
+def test_quick_packing_section_writes_json_markdown_plot(tmp_path, make_dataset, capsys):
+    make_dataset(tmp_path / "ds", 60, samples_per_shard=20)
+    out = tmp_path / "b.json"
+    md = tmp_path / "b.md"
+    png = tmp_path / "fill.png"
+    rc = main(["--quick", "--sections", "packing", "--index", str(tmp_path / "ds"), "--reps", "1", "--synthetic-samples", "400"]
+              + ["--json", str(out), "--markdown", str(md), "--plot", str(png)])
+    assert rc == 0
+    doc = json.loads(out.read_text())
+    _check_doc(doc, ["packing"])
+    cells = doc["sections"]["packing"]["cells"]
+    assert cells[0]["distribution"]["samples"] == 60  # the --index dataset comes first
+    assert {c["regime"] for c in cells} == {"dataset", "token-bound", "image-cap"}
+    assert doc["sections"]["packing"]["targets"]["checks"]
+    text = md.read_text()
+    assert text == capsys.readouterr().out.rstrip("\n") + "\n"
+    assert text.count("| strategy |") == len(cells)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bad_input_is_a_clear_error(tmp_path, capsys):
+    assert main(["--sections", "nope"]) == 2
+    assert "unknown section" in capsys.readouterr().err
+    assert main(["--quick", "--sections", "packing", "--index", str(tmp_path)]) == 2
+    assert "no index.json" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_quick_all_sections(tmp_path, make_dataset, tiny_tokenizer):
+    """The whole --quick suite on a small dataset: every section present with its figures."""
+    make_dataset(tmp_path / "ds", 240, samples_per_shard=60)
+    tiny_tokenizer.save_pretrained(str(tmp_path / "tok"))
+    out = tmp_path / "q.json"
+    args = ["--quick", "--data", str(tmp_path / "ds"), "--index", str(tmp_path / "ds"), "--tokenizer", str(tmp_path / "tok")]
+    assert main([*args, "--reps", "2", "--json", str(out), "--workdir", str(tmp_path / "wd")]) == 0
+    doc = json.loads(out.read_text())
+    _check_doc(doc, ["packing", "pipeline", "train", "resume"])
+    pipe = doc["sections"]["pipeline"]
+    assert [b["workers"] for b in pipe["by_workers"]] == [0, 1, 2]
+    assert set(pipe["stage_breakdown"]["us_per_sample"]) == {"read", "decode", "tokenize", "pack"}
+    train = doc["sections"]["train"]
+    assert set(train["modes"]) == {"packed", "pad_to_longest", "constrained"}
+    assert train["modes"]["packed"]["fill"] > train["modes"]["pad_to_longest"]["fill"]
+    resume = doc["sections"]["resume"]["results"]
+    assert [resume[k]["position"] for k in ("fresh", "early", "mid", "late")][0] == 0
