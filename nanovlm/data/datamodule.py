@@ -157,12 +157,15 @@ class _PackStream(IterableDataset):
         t, limit = s.table, s.spec.max_tokens
         if s.spec.mode == "constrained":
             limit = min(s.spec.pad_cutoff or limit, limit)
+        # with "drop" the plan already left out over-length samples: process without a limit, so a sample whose
+        # real length disagrees with the index fails the length check below instead of passing as a skip
+        limit_arg = limit if s.spec.overlength == "truncate" else None
         planned: dict[int, int] = {}
 
         def load(gid: int):
             key = t.keys[gid]
             record = reader.read(t.shard_paths[t.shard[gid]], int(t.offset[gid]), int(t.nbytes[gid]), key)
-            sample = s.processor.process(record, limit, s.spec.overlength)
+            sample = s.processor.process(record, limit_arg, s.spec.overlength)
             n, want = int(sample.input_ids.numel()), planned[gid]
             if n != want and not (sample.truncated and n <= want):
                 raise DataMismatchError(
