@@ -23,7 +23,7 @@ caption        Describe the image. -> one sentence                          -
 long           Describe the image in detail. -> 1..40 sentences (long tail) -
 =============  ===========================================================  ========
 
-With the task mix below, guessing gives about 32% mean accuracy over the samples that have an ``answer``
+With the task mix below, guessing gives about 31% mean accuracy over the samples that have an ``answer``
 (``CHANCE_ACCURACY``); a model that only learned the answer vocabulary of each question gets no more.
 """
 
