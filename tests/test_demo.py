@@ -119,7 +119,7 @@ def test_default_size_is_fast_and_long_tailed(tmp_path):
     info = make_demo_data(tmp_path / "demo")
     elapsed = time.perf_counter() - t0
     assert info["train_samples"] == 3000 and info["val_samples"] == 300
-    assert elapsed < 60, elapsed
+    assert elapsed < 120, elapsed  # ~35 s measured on 2 shared cores; generous for loaded CI machines
     idx = load_index(tmp_path / "demo" / "train")
     tokens = np.array(idx.total_tokens(16))
     n_img = np.array([n for s in idx.shards for n in s.n_images])
