@@ -14,6 +14,7 @@ Output is deterministic: the same input and tokenizer give byte-identical shards
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import multiprocessing as mp
 import os
@@ -130,7 +131,9 @@ def _results(fn, tasks: Iterator, workers: int, init_args: tuple) -> Iterator[tu
         return
     ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
     with ctx.Pool(workers, initializer=_init_worker, initargs=init_args) as pool:
-        yield from pool.imap(fn, tasks, chunksize=8)
+        # In bounded chunks: Pool.imap would read the whole input ahead and buffer results without limit.
+        while chunk := list(itertools.islice(tasks, 256 * workers)):
+            yield from pool.imap(fn, chunk, chunksize=8)
 
 
 # ----------------------------------------------------------------------------------------------------------
