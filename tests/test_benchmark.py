@@ -36,7 +36,9 @@ def test_knapsack_is_worst_fit_decreasing_over_a_presized_pool():
 def test_knapsack_image_cap_filters_and_separator():
     # Item 2 would go to the least-loaded bin, but that bin's image budget is full: it goes to the other one.
     lengths, images = [4, 3, 2], [1, 2, 1]
-    plan = balanced_greedy_knapsack(lengths, images, 8, num_sequences=100, delta=0, max_images_per_knapsack=2, separator_tokens=0)
+    plan = balanced_greedy_knapsack(
+        lengths, images, 8, num_sequences=100, delta=0, max_images_per_knapsack=2, separator_tokens=0
+    )
     assert _groups(plan) == [[0, 2], [1]]
     assert max(plan.images) <= 2
     # Filters: length >= max_sample_length, more than max_images_per_example images; separator takes a slot.
@@ -110,8 +112,20 @@ def test_quick_packing_section_writes_json_markdown_plot(tmp_path, make_dataset,
     out = tmp_path / "b.json"
     md = tmp_path / "b.md"
     png = tmp_path / "fill.png"
-    rc = main(["--quick", "--sections", "packing", "--index", str(tmp_path / "ds"), "--reps", "1", "--synthetic-samples", "400"]
-              + ["--json", str(out), "--markdown", str(md), "--plot", str(png)])
+    rc = main(
+        [
+            "--quick",
+            "--sections",
+            "packing",
+            "--index",
+            str(tmp_path / "ds"),
+            "--reps",
+            "1",
+            "--synthetic-samples",
+            "400",
+        ]
+        + ["--json", str(out), "--markdown", str(md), "--plot", str(png)]
+    )
     assert rc == 0
     doc = json.loads(out.read_text())
     _check_doc(doc, ["packing"])
@@ -138,7 +152,15 @@ def test_quick_all_sections(tmp_path, make_dataset, tiny_tokenizer):
     make_dataset(tmp_path / "ds", 240, samples_per_shard=60)
     tiny_tokenizer.save_pretrained(str(tmp_path / "tok"))
     out = tmp_path / "q.json"
-    args = ["--quick", "--data", str(tmp_path / "ds"), "--index", str(tmp_path / "ds"), "--tokenizer", str(tmp_path / "tok")]
+    args = [
+        "--quick",
+        "--data",
+        str(tmp_path / "ds"),
+        "--index",
+        str(tmp_path / "ds"),
+        "--tokenizer",
+        str(tmp_path / "tok"),
+    ]
     assert main([*args, "--reps", "2", "--json", str(out), "--workdir", str(tmp_path / "wd")]) == 0
     doc = json.loads(out.read_text())
     _check_doc(doc, ["packing", "pipeline", "train", "resume"])
@@ -150,3 +172,23 @@ def test_quick_all_sections(tmp_path, make_dataset, tiny_tokenizer):
     assert train["modes"]["packed"]["fill"] > train["modes"]["pad_to_longest"]["fill"]
     resume = doc["sections"]["resume"]["results"]
     assert [resume[k]["position"] for k in ("fresh", "early", "mid", "late")][0] == 0
+
+
+def test_reader_fast_path_matches_tarfile(tmp_path, make_dataset):
+    """The reader's direct ustar/pax parser (a speed fix found by this benchmark) is used for well-formed
+    shards and returns exactly what the tarfile path returns."""
+    import nanovlm.data.reader as reader
+
+    idx = make_dataset(tmp_path / "ds", 12, samples_per_shard=12)
+    sh = idx.shards[0]
+    blob = idx.shard_path(sh).read_bytes()
+    for key, off, nb in zip(sh.keys, sh.offsets, sh.nbytes):
+        part = blob[off : off + nb]
+        assert reader._fast_members(part) is not None
+        fast = reader.parse_members(part, key)
+        orig, reader._fast_members = reader._fast_members, lambda b: None
+        try:
+            assert reader.parse_members(part, key) == fast
+        finally:
+            reader._fast_members = orig
+        assert reader._fast_members(part[:-512]) is None  # truncated: left to the tarfile path and its checks
