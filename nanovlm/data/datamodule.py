@@ -129,6 +129,9 @@ class _PackStream(IterableDataset):
                         r: dict(Counter(s.table.dataset[plan.order[p]].tolist()))
                         for r, p in plan.slot_skips(slot).items()
                     }
+                if k == plan.packs_per_slot - 1 and local == spr - 1:  # the rank's last batch of the epoch
+                    extra["epoch_end"] = True  # carry it, so the training process never re-plans to find the end
+                    extra["carry_out"] = plan.carry_out.tolist()
                 yield PlannedPack(
                     pos.epoch,
                     k * spr + local,
@@ -446,10 +449,9 @@ class PackedMultimodalDataModule(L.LightningDataModule):
         self._queue_depth = float(meta.get("queue_depth", 0))
         self._check_skip_rate()
         self._pos.consumed = index + 1
-        plan = self.current_plan()
-        if self._pos.consumed >= plan.batches_per_rank():  # epoch done: its cut packs open the next one
+        if meta.get("epoch_end"):  # epoch done: its cut packs open the next one
             self._last_epoch_skips = self._epoch_skips_by_reason()
-            self._pos = _Position(epoch + 1, 0, plan.carry_out.copy(), ())
+            self._pos = _Position(epoch + 1, 0, np.asarray(meta["carry_out"], np.int64), ())
             self._epoch_skips = Counter()
             self._start_epoch_accounting()
 
