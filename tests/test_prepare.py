@@ -301,7 +301,8 @@ def test_prepare_data_formats_and_every_skip_reason(tmp_path, user_data, tiny_to
 def test_prepare_data_allow_absolute_and_image_root(tmp_path, user_data, tiny_tokenizer):
     jsonl, imgs = user_data
     lines = [{"image": str(imgs / "red.png"), "caption": "abs"}, {"image": "red.png", "caption": "rel"}]
-    src = _jsonl(tmp_path / "elsewhere" / "x.jsonl" if (tmp_path / "elsewhere").mkdir() is None else None, lines)
+    (tmp_path / "elsewhere").mkdir()
+    src = _jsonl(tmp_path / "elsewhere" / "x.jsonl", lines)  # relative paths resolve in --image-root, not here
     out = tmp_path / "o"
     assert _prepare(tiny_tokenizer, "--input", str(src), "--output", str(out), "--image-root", str(imgs),
                     "--allow-absolute-paths") == 0  # fmt: skip
