@@ -137,10 +137,11 @@ def _sdpa(q, k, v, cu_seqlens, max_seqlen, causal):
         q4, k4, v4 = (t.view(n, max_seqlen, heads, dim).transpose(1, 2) for t in (q, k, v))
         out = F.scaled_dot_product_attention(q4, k4, v4, is_causal=causal)
         return out.transpose(1, 2).reshape(total, heads, dim)
-    bounds = cu_seqlens.tolist()
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
     outs = []
-    for start, end in zip(bounds[:-1], bounds[1:]):
-        q4, k4, v4 = (t[start:end].transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # [1, H, L, D]
+    # split (not slicing): its backward is one cat, instead of a full-size zero tensor per segment
+    for q1, k1, v1 in zip(q.split(lengths), k.split(lengths), v.split(lengths)):
+        q4, k4, v4 = (t.transpose(0, 1).unsqueeze(0) for t in (q1, k1, v1))  # [1, H, L, D]
         outs.append(F.scaled_dot_product_attention(q4, k4, v4, is_causal=causal)[0].transpose(0, 1))
     return torch.cat(outs, dim=0)
 
