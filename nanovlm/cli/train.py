@@ -28,7 +28,9 @@ checkpoints/; rerunning the same command resumes from the latest checkpoint (che
 """
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+def parse_args(
+    argv: Sequence[str] | None = None, default_configs: Sequence[str] = (DEFAULT_CONFIG,)
+) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="scripts/train.py",
         description="Train a nanoVLM with Lightning (1 CPU/GPU, DDP or FSDP2; torchrun and SLURM aware).",
@@ -40,16 +42,19 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         action="append",
         default=None,
         metavar="FILE",
-        help=f"YAML config, may be repeated (later files win); default: configs/{DEFAULT_CONFIG}",
+        help=f"YAML config, may be repeated (later files win); default: {' + '.join(default_configs)}",
     )
     p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. trainer.max_steps=10")
     return p.parse_args(argv)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
-    files = args.config if args.config else [DEFAULT_CONFIG]
+def main(argv: Sequence[str] | None = None, default_configs: Sequence[str] = (DEFAULT_CONFIG,)) -> int:
+    """Parse, load and validate the config (exit 2 on a config error, before any heavy import), then train.
+
+    ``default_configs`` are used when no --config is given (projects made from template/ pass their own)."""
+    args = parse_args(argv, default_configs)
+    files = args.config if args.config else list(default_configs)
     try:
         cfg = load_config(files, args.overrides)
     except ConfigError as e:

@@ -1,0 +1,75 @@
+"""``scripts/train.py`` as users run it: argument errors, --print-config, --help, and a two-step fit."""
+
+from __future__ import annotations
+
+import csv
+import subprocess
+import sys
+
+import pytest
+import yaml
+from test_resume import REPO, TIMEOUT, run_train, small_demo  # noqa: F401 (small_demo is a fixture)
+
+from nanovlm.config import load_config, to_yaml
+from nanovlm.train.checkpoint import checkpoint_name
+
+
+def train_script(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "scripts/train.py", *args], cwd=REPO, capture_output=True, text=True, timeout=TIMEOUT
+    )
+
+
+def test_bad_key_exits_2_with_suggestion_and_no_traceback():
+    proc = train_script("trainer.max_stepz=1")
+    assert proc.returncode == 2
+    assert "max_stepz" in proc.stderr and "did you mean 'trainer.max_steps'" in proc.stderr
+    assert "Traceback" not in proc.stderr + proc.stdout
+
+
+def test_bad_value_and_missing_config_file_exit_2():
+    proc = train_script("trainer.max_steps=many")
+    assert proc.returncode == 2 and "trainer.max_steps" in proc.stderr and "Traceback" not in proc.stderr
+    proc = train_script("--config", "no_such.yaml")
+    assert proc.returncode == 2 and "no_such.yaml" in proc.stderr
+
+
+def test_print_config_is_the_resolved_config():
+    proc = train_script("--print-config", "trainer.max_steps=7", "optim.lr=0.01")
+    assert proc.returncode == 0, proc.stderr
+    expected = to_yaml(load_config(["tiny_cpu.yaml"], ["trainer.max_steps=7", "optim.lr=0.01"]))
+    assert proc.stdout == expected
+    assert yaml.safe_load(proc.stdout)["trainer"]["max_steps"] == 7
+
+
+def test_help_points_to_config_docs():
+    proc = train_script("--help")
+    assert proc.returncode == 0
+    assert "--config" in proc.stdout and "--print-config" in proc.stdout
+    assert "Configuration" in proc.stdout and "nanovlm/config.py" in proc.stdout
+
+
+@pytest.mark.slow
+def test_two_step_fit_writes_run_dir_and_evaluates(small_demo, tmp_path):  # noqa: F811
+    run_dir = tmp_path / "run"
+    extra = ["trainer.max_steps=2", "trainer.eval_at_end=true", "trainer.eval_samples=3", "trainer.log_every_n_steps=1"]
+    out = run_train(small_demo, run_dir, *extra)
+    assert "nanovlm training run" in out and "attention     : sdpa" in out  # the start summary
+    assert "[val] step 2: val/loss" in out
+    assert "[eval] held-out answer accuracy:" in out and "on 3 samples (chance" in out
+    # the resolved config, the metrics, the step trace and the final checkpoint
+    saved = load_config([run_dir / "config.yaml"])
+    assert saved.trainer.max_steps == 2 and saved.data.max_tokens == 256
+    rows = list(csv.DictReader((run_dir / "csv" / "metrics.csv").read_text().splitlines()))
+    train_rows = [r for r in rows if r.get("train/loss")]
+    assert [int(r["step"]) for r in train_rows] == [1, 2]
+    for key in ("train/lr", "train/tokens_per_s", "train/samples_per_s", "train/packing_fill", "train/data_wait_frac"):
+        assert float(train_rows[-1][key]) > 0 or key == "train/data_wait_frac"
+    assert any(r.get("val/loss") for r in rows)
+    assert (run_dir / "checkpoints" / checkpoint_name(2)).is_file()
+    assert len((run_dir / "steps.jsonl").read_text().splitlines()) == 2
+    # the same command again resumes from the final checkpoint and has nothing left to do
+    out = run_train(small_demo, run_dir, *extra)
+    assert f"[resume] from {run_dir / 'checkpoints' / checkpoint_name(2)}" in out
+    assert "[eval]" in out  # the finished run is still evaluated
+    assert len((run_dir / "steps.jsonl").read_text().splitlines()) == 2

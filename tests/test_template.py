@@ -1,0 +1,67 @@
+"""template/ renders with cookiecutter and the rendered project's own smoke test passes (so it cannot rot)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def render(out: Path, *extra: str, slug: str = "my-vlm-project") -> Path:
+    subprocess.run(
+        [sys.executable, "-m", "cookiecutter", "--no-input", str(REPO / "template"), "-o", str(out), *extra],
+        check=True,
+        timeout=120,
+    )
+    return out / slug
+
+
+def test_template_renders_with_sparse_config(tmp_path):
+    project = render(tmp_path)
+    expected = [
+        "pyproject.toml",
+        "README.md",
+        "configs/experiment.yaml",
+        "scripts/train.py",
+        "scripts/prepare_data.py",
+        "tests/test_smoke.py",
+        "my_vlm_project/decode.py",
+    ]
+    for rel in expected:
+        assert (project / rel).is_file(), rel
+    text = "".join((project / rel).read_text() for rel in expected)
+    assert "{{" not in text and "cookiecutter" not in text
+    # the experiment config is a valid sparse override of nanovlm's default config
+    from nanovlm.config import load_config
+
+    cfg = load_config(["tiny_cpu.yaml", project / "configs" / "experiment.yaml"])
+    assert cfg.data.train == ["data/my_vlm_project/train"] and cfg.trainer.run_dir == "runs/my_vlm_project"
+    assert len((project / "configs" / "experiment.yaml").read_text().splitlines()) < 20
+    proc = subprocess.run(
+        [sys.executable, "scripts/train.py", "--print-config", "trainer.max_steps=3"],
+        cwd=project,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "run_dir: runs/my_vlm_project" in proc.stdout and "max_steps: 3" in proc.stdout
+
+
+@pytest.mark.slow
+def test_rendered_project_smoke_test_passes(tmp_path):
+    project = render(tmp_path, "project_name=Shapes QA", slug="shapes-qa")
+    assert (project / "shapes_qa" / "decode.py").is_file()
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests"],
+        cwd=project,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    assert "2 passed" in proc.stdout
