@@ -1,0 +1,397 @@
+"""Process faults: a run that dies, is preempted, loses a worker or a disk, or gets uneven data.
+
+The training runs are real ``scripts/train.py`` subprocesses (tiny model, a few steps, fp32 on CPU, with a
+timeout so a hang fails the test instead of blocking CI). Guarantees:
+
+* SIGKILL *during* a checkpoint write leaves the previous checkpoint loadable, the half-written temp file is
+  ignored, and resuming from the previous checkpoint retrains the lost steps exactly (same sample keys, same
+  losses, bitwise);
+* SIGTERM (SLURM preemption) saves a checkpoint at the next step boundary and exits 0;
+* a producer failure (not a bad sample: a broken index) stops the run with a non-zero exit naming the sample
+  key and its shard; the checkpoints written before stay valid;
+* a DataLoader worker killed by the OOM killer gives a clear error within seconds, not a hang;
+* disk full while saving: an error naming the checkpoint path, the previous checkpoint kept, no temp file left;
+* one rank with far less usable data (most of its samples are broken): no hang, the same step count on both
+  ranks (DDP, 2 gloo processes).
+
+The kill lands mid-write deterministically: the checkpoint's temp file is pre-created as a FIFO, so the saving
+process blocks inside ``torch.save`` once the pipe is full, exactly where a slow disk would leave it.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from faults import not_an_image, rewrite_shard
+
+from nanovlm.train.checkpoint import checkpoint_name, list_checkpoints
+
+REPO = Path(__file__).resolve().parent.parent
+TIMEOUT = 240  # per training subprocess; a hang fails the test
+
+
+# ----------------------------------------------------------------------------------------------------------
+# helpers
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory) -> Path:
+    """A small procedural demo dataset (tokenizer, train, val) for a model with 4 tokens per image."""
+    from nanovlm.data.demo import make_demo_data
+
+    root = tmp_path_factory.mktemp("reliability_demo")
+    make_demo_data(root, train_samples=96, val_samples=8, samples_per_shard=24, image_token_count=4)
+    return root
+
+
+def overrides(data: Path, run_dir: Path, train: Path | None = None) -> list[str]:
+    """A ~80K-parameter model, 128-token packs, no validation or evaluation: seconds per run."""
+    return [
+        "model.vision.image_size=16",
+        "model.vision.patch_size=4",
+        "model.vision.hidden_size=32",
+        "model.vision.num_layers=1",
+        "model.vision.num_heads=2",
+        "model.vision.intermediate_size=64",
+        "model.language.hidden_size=48",
+        "model.language.num_layers=2",
+        "model.language.num_heads=4",
+        "model.language.num_kv_heads=2",
+        "model.language.intermediate_size=96",
+        f"data.train=[{train or data / 'train'}]",
+        "data.val=[]",
+        f"data.tokenizer={data}/tokenizer",
+        "data.make_demo_if_missing=false",
+        "data.max_tokens=128",
+        "data.num_workers=0",
+        "trainer.accelerator=cpu",
+        "trainer.progress_bar=false",
+        "trainer.logger=none",
+        "trainer.log_every_n_steps=1",
+        "trainer.eval_at_end=false",
+        "optim.warmup_steps=2",
+        f"trainer.run_dir={run_dir}",
+    ]
+
+
+def train_cmd(data: Path, run_dir: Path, *extra: str, train: Path | None = None) -> list[str]:
+    return [sys.executable, "scripts/train.py", *overrides(data, run_dir, train), *extra]
+
+
+def env() -> dict[str, str]:
+    return os.environ | {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+def run(cmd: list[str], timeout: float = TIMEOUT) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env())
+
+
+def start(cmd: list[str]) -> subprocess.Popen:
+    """A training process in its own process group (so a kill reaches its DataLoader workers too)."""
+    return subprocess.Popen(
+        cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env(), start_new_session=True
+    )
+
+
+def steps(run_dir: Path, rank: int = 0) -> list[dict]:
+    path = run_dir / ("steps.jsonl" if rank == 0 else f"steps.rank{rank}.jsonl")
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def wait_for(predicate, proc: subprocess.Popen, what: str, timeout: float = TIMEOUT) -> None:
+    deadline = time.time() + timeout
+    while not predicate():
+        if proc.poll() is not None:
+            raise AssertionError(f"the run exited (rc={proc.returncode}) before {what}:\n{proc.stdout.read()[-3000:]}")
+        if time.time() > deadline:
+            os.killpg(proc.pid, signal.SIGKILL)
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+def n_logged(run_dir: Path) -> int:
+    """Complete lines in steps.jsonl (safe to call while the run appends to it)."""
+    path = run_dir / "steps.jsonl"
+    return path.read_bytes().count(b"\n") if path.is_file() else 0
+
+
+def load_ckpt(path: Path) -> dict:
+    """What resume loads: the checkpoint through torch.load(weights_only=True)."""
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# SIGKILL in the middle of a checkpoint write
+
+
+@pytest.mark.slow
+def test_sigkill_mid_checkpoint_write_keeps_previous_and_resume_is_exact(demo, tmp_path):
+    run_dir = tmp_path / "run"
+    ckpts = run_dir / "checkpoints"
+    ckpts.mkdir(parents=True)
+    extra = ["trainer.max_steps=6", "checkpoint.every_n_steps=2", "checkpoint.keep_last=3"]
+    tmp4 = ckpts / (checkpoint_name(4) + ".tmp")
+    os.mkfifo(tmp4)  # the save of step 4 will block on it, mid-write
+    proc = start(train_cmd(demo, run_dir, *extra))
+    received = bytearray()
+    try:
+        wait_for(lambda: (ckpts / checkpoint_name(2)).is_file(), proc, "the step-2 checkpoint")
+        fd = os.open(tmp4, os.O_RDONLY | os.O_NONBLOCK)
+        try:
+            deadline = time.time() + TIMEOUT
+            while len(received) < 4096:  # the writer is inside torch.save: some bytes arrived, more are pending
+                assert time.time() < deadline and proc.poll() is None, "the step-4 save never started"
+                try:
+                    chunk = os.read(fd, 4096)
+                except BlockingIOError:  # the writer has it open, nothing new yet
+                    chunk = b""
+                received += chunk
+                if not chunk:
+                    time.sleep(0.02)
+            time.sleep(0.3)  # let it fill the pipe and block in write()
+            assert proc.poll() is None
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=60)
+        finally:
+            os.close(fd)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=60)
+    assert proc.returncode == -signal.SIGKILL
+    # what a real disk holds after the kill: a partial temp file
+    os.unlink(tmp4)
+    tmp4.write_bytes(bytes(received))
+
+    assert [s for s, _ in list_checkpoints(ckpts)] == [2]  # the torn write is not a checkpoint
+    assert load_ckpt(ckpts / checkpoint_name(2))["global_step"] == 2
+    with pytest.raises(RuntimeError):  # and it really is torn
+        load_ckpt(tmp4)
+    before = steps(run_dir)  # steps 1..4 were trained before the kill
+    assert [r["step"] for r in before] == [1, 2, 3, 4]
+
+    out = run(train_cmd(demo, run_dir, *extra))  # the same command resumes (checkpoint.resume=auto)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert f"[resume] from {ckpts / checkpoint_name(2)}" in out.stdout + out.stderr
+    after = steps(run_dir)
+    assert [r["step"] for r in after] == [1, 2, 3, 4, 5, 6]
+    assert after[:4] == before  # steps 3 and 4 retrained exactly: same samples, bitwise the same losses
+    assert [s for s, _ in list_checkpoints(ckpts)] == [2, 4, 6]
+    assert not list(ckpts.glob("*.tmp"))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# SIGTERM (preemption)
+
+
+@pytest.mark.slow
+def test_sigterm_saves_a_checkpoint_and_exits_cleanly(demo, tmp_path):
+    run_dir = tmp_path / "run"
+    proc = start(train_cmd(demo, run_dir, "trainer.max_steps=200", "checkpoint.every_n_steps=0"))
+    try:
+        wait_for(lambda: n_logged(run_dir) >= 2, proc, "two trained steps")
+        os.kill(proc.pid, signal.SIGTERM)  # what SLURM / scancel / kill send
+        out, _ = proc.communicate(timeout=TIMEOUT)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=60)
+    assert proc.returncode == 0, out[-3000:]
+    saved = list_checkpoints(run_dir / "checkpoints")
+    assert len(saved) == 1, out[-3000:]
+    step, path = saved[0]
+    trained = steps(run_dir)
+    assert 2 <= step < 200
+    assert trained[-1]["step"] == step  # every trained step is in the checkpoint; none trained after it
+    assert load_ckpt(path)["global_step"] == step
+    assert "signal received: saved" in out and "Run the same command again to resume" in out
+    assert not list((run_dir / "checkpoints").glob("*.tmp"))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the producer fails mid-epoch
+
+
+def _key_read_at(data: Path, position: int) -> str:
+    """The key of the sample at ``position`` of the tiny run's epoch-0 read order (same config, same plan).
+
+    The producer reads samples in this order, a window ahead of the packs it assembles, so a failure on this
+    sample stops the run about ``position - data.lookahead`` samples into the epoch."""
+    from nanovlm.config import load_config
+    from nanovlm.data.datamodule import PackedMultimodalDataModule
+
+    cfg = load_config(["tiny_cpu.yaml"], overrides(data, data / "unused"))
+    dm = PackedMultimodalDataModule(cfg.data, cfg.model)
+    dm.setup("fit")
+    return dm.table.keys[int(dm.current_plan().order[position])]
+
+
+def _copy_dataset(src: Path, dst: Path) -> Path:
+    import shutil
+
+    shutil.copytree(src, dst)
+    return dst
+
+
+@pytest.mark.slow
+def test_producer_failure_exits_nonzero_naming_the_sample_and_keeps_checkpoints(demo, tmp_path):
+    train = _copy_dataset(demo / "train", tmp_path / "train")
+    key = _key_read_at(demo, 52)  # read after ~20 samples (~6 steps) of training
+    index = json.loads((train / "index.json").read_text())
+    shard = next(i for i, s in enumerate(index["shards"]) if key in s["keys"])
+
+    def longer_answer(k: str, suffix: str, data: bytes) -> bytes:
+        """Same conversation, longer answer: the sample no longer has the token count its index entry says
+        (the index and so the epoch plan are unchanged: a stale index, not a bad sample)."""
+        if k != key or suffix != "json":
+            return data
+        obj = json.loads(data)
+        obj["messages"][-1]["content"] += " and more words"
+        return json.dumps(obj).encode()
+
+    rewrite_shard(train, shard, longer_answer)
+    shard_name = index["shards"][shard]["name"]
+
+    run_dir = tmp_path / "run"
+    out = run(train_cmd(demo, run_dir, "trainer.max_steps=10", "checkpoint.every_n_steps=2", train=train))
+    text = out.stdout + out.stderr
+    assert out.returncode != 0
+    assert key in text and shard_name in text
+    assert "Traceback" in text  # the producer's traceback travels with the error
+    trained = steps(run_dir)
+    n = len(trained)
+    assert [r["step"] for r in trained] == list(range(1, n + 1)) and 2 <= n < 10  # it stopped mid-run
+    assert key not in {k for r in trained for k in r["keys"]}
+    last_step, last = list_checkpoints(run_dir / "checkpoints")[-1]
+    assert last_step == 2 * (n // 2)  # the newest periodic checkpoint before the failure ...
+    assert load_ckpt(last)["global_step"] == last_step  # ... is complete and loads
+    assert not list((run_dir / "checkpoints").glob("*.tmp"))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# a DataLoader worker is killed
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.xfail(strict=True, reason="open gap: a batch queued by the killed worker fails as ConnectionResetError")
+def test_killed_dataloader_worker_is_a_clear_error_not_a_hang(demo):
+    """The worker is killed after it queued its next batch (the usual case: workers run ahead): receiving that
+    batch needs the dead worker (shared-memory handover), which must still read as a dead-worker error."""
+    from nanovlm.config import load_config
+    from nanovlm.data.datamodule import PackedMultimodalDataModule
+
+    cfg = load_config(["tiny_cpu.yaml"], [*overrides(demo, demo / "unused"), "data.num_workers=1"])
+    dm = PackedMultimodalDataModule(cfg.data, cfg.model)
+    dm.setup("fit")
+    it = iter(dm.train_dataloader())
+    next(it)
+    time.sleep(2.0)  # the worker prepares and queues the next batch
+    workers = multiprocessing.active_children()
+    assert len(workers) == 1
+    os.kill(workers[0].pid, signal.SIGKILL)  # the OOM killer's way
+    t0 = time.time()
+    with pytest.raises(RuntimeError, match=r"DataLoader worker") as exc:
+        for _ in range(100_000):  # the stream must fail, not hang
+            next(it)
+    assert re.search(r"killed|exited unexpectedly|died", str(exc.value))
+    assert time.time() - t0 < 60
+    del it
+
+
+# ----------------------------------------------------------------------------------------------------------
+# disk full while saving
+
+
+def test_disk_full_checkpoint_write_names_the_path_and_keeps_the_previous_one(tmp_path):
+    """/dev/full answers every write with ENOSPC, the errno of a full disk."""
+    from nanovlm.train.checkpoint import AtomicCheckpointIO, CheckpointWriteError
+
+    io = AtomicCheckpointIO()
+    state = {"state_dict": {"w": torch.randn(64, 64)}, "global_step": 2}
+    io.save_checkpoint(state, tmp_path / checkpoint_name(2))
+    before = (tmp_path / checkpoint_name(2)).read_bytes()
+    target = tmp_path / checkpoint_name(4)
+    (tmp_path / (target.name + ".tmp")).symlink_to("/dev/full")
+    with pytest.raises(CheckpointWriteError) as exc:
+        io.save_checkpoint(state | {"global_step": 4}, target)
+    assert str(target) in str(exc.value)
+    assert "No space left on device" in str(exc.value)
+    assert not target.exists()
+    assert [s for s, _ in list_checkpoints(tmp_path)] == [2]
+    assert (tmp_path / checkpoint_name(2)).read_bytes() == before
+    assert io.load_checkpoint(tmp_path / checkpoint_name(2))["global_step"] == 2
+
+
+@pytest.mark.slow
+def test_disk_full_during_training_fails_the_run_and_keeps_the_previous_checkpoint(demo, tmp_path):
+    run_dir = tmp_path / "run"
+    ckpts = run_dir / "checkpoints"
+    ckpts.mkdir(parents=True)
+    tmp4 = ckpts / (checkpoint_name(4) + ".tmp")
+    tmp4.symlink_to("/dev/full")
+    out = run(train_cmd(demo, run_dir, "trainer.max_steps=6", "checkpoint.every_n_steps=2"))
+    text = out.stdout + out.stderr
+    assert out.returncode != 0
+    assert f"could not write checkpoint {ckpts / checkpoint_name(4)}" in text
+    assert [s for s, _ in list_checkpoints(ckpts)] == [2]
+    assert load_ckpt(ckpts / checkpoint_name(2))["global_step"] == 2
+
+
+# ----------------------------------------------------------------------------------------------------------
+# uneven data over ranks (DDP, 2 gloo processes)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_rank_with_far_less_usable_data_steps_with_the_others(demo, tmp_path):
+    """Most of rank 1's samples are unreadable: rank 1 trains on almost nothing, yet both ranks take exactly
+    max_steps optimizer steps (nobody waits forever in an all-reduce) and the run exits 0."""
+    from nanovlm.config import load_config
+    from nanovlm.data.datamodule import PackedMultimodalDataModule
+
+    train = _copy_dataset(demo / "train", tmp_path / "train")
+    cfg = load_config(["tiny_cpu.yaml"], overrides(demo, tmp_path / "unused", train))
+    dm = PackedMultimodalDataModule(cfg.data, cfg.model, rank=1, world_size=2)
+    dm.setup("fit")
+    rank1 = set()
+    for batch in dm.train_dataloader():
+        if batch["meta"]["epoch"] > 0:
+            break
+        rank1.update(batch["sample_keys"])
+        dm.on_batch_consumed(batch)
+    broken = set(sorted(rank1)[: int(len(rank1) * 0.8)])
+    index = json.loads((train / "index.json").read_text())
+    for s in range(len(index["shards"])):
+        rewrite_shard(
+            train, s, lambda k, suffix, d: not_an_image() if k in broken and suffix.endswith(("jpg", "png")) else d
+        )
+    max_steps = 6
+    run_dir = tmp_path / "run"
+    cmd = train_cmd(
+        demo,
+        run_dir,
+        f"trainer.max_steps={max_steps}",
+        "trainer.devices=2",
+        "trainer.strategy=ddp",
+        "checkpoint.every_n_steps=0",
+        "data.max_skip_rate=1.0",
+        train=train,
+    )
+    out = run(cmd, timeout=2 * TIMEOUT)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    r0, r1 = steps(run_dir, 0), steps(run_dir, 1)
+    assert [r["step"] for r in r0] == [r["step"] for r in r1] == list(range(1, max_steps + 1))
+    trained1 = {k for r in r1 for k in r["keys"]}
+    assert not trained1 & broken  # the broken samples were skipped, not trained
+    assert len(trained1) < len({k for r in r0 for k in r["keys"]})  # rank 1 really had less data
+    assert load_ckpt(run_dir / "checkpoints" / checkpoint_name(max_steps))["global_step"] == max_steps
