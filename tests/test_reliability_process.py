@@ -1,16 +1,18 @@
 """Process faults: a run that dies, is preempted, loses a worker or a disk, or gets uneven data.
 
-The training runs are real ``scripts/train.py`` subprocesses (tiny model, a few steps, fp32 on CPU, with a
-timeout so a hang fails the test instead of blocking CI). Guarantees:
+Runs that must be killed or signalled are real ``scripts/train.py`` subprocesses (tiny model, a few steps, fp32
+on CPU, with a timeout so a hang fails the test instead of blocking CI); runs that fail by themselves go through
+the same CLI entry point in-process (``nanovlm.cli.train.main``: what it raises, the process exits 1 with).
+Guarantees:
 
 * SIGKILL *during* a checkpoint write leaves the previous checkpoint loadable, the half-written temp file is
   ignored, and resuming from the previous checkpoint retrains the lost steps exactly (same sample keys, same
   losses, bitwise);
 * SIGTERM (SLURM preemption) saves a checkpoint at the next step boundary and exits 0;
-* a producer failure (not a bad sample: a broken index) stops the run with a non-zero exit naming the sample
-  key and its shard; the checkpoints written before stay valid;
+* a producer failure (not a bad sample: a stale index) stops the run with an error naming the sample key and
+  its shard and carrying the producer's traceback; the checkpoints written before stay valid;
 * a DataLoader worker killed by the OOM killer gives a clear error within seconds, not a hang;
-* disk full while saving: an error naming the checkpoint path, the previous checkpoint kept, no temp file left;
+* disk full while saving: an error naming the checkpoint path, the previous checkpoint kept and loadable;
 * one rank with far less usable data (most of its samples are broken): no hang, the same step count on both
   ranks (DDP, 2 gloo processes).
 
