@@ -105,12 +105,21 @@ def interrupted_then_resumed(data: Path, run_dir: Path, k: int, *extra: str) -> 
     assert f"[resume] from {run_dir / 'checkpoints' / checkpoint_name(k)}" in out
 
 
+SINGLE = ["trainer.max_steps=6", "trainer.accumulate_grad_batches=2", "checkpoint.every_n_steps=2"]
+
+
+@pytest.fixture(scope="module")
+def single_reference(small_demo, tmp_path_factory) -> Path:
+    """The uninterrupted single-process run (1 DataLoader worker, accumulation 2, 6 steps = 12 micro-batches)."""
+    run_dir = tmp_path_factory.mktemp("single_full")
+    run_train(small_demo, run_dir, *SINGLE)
+    return run_dir
+
+
 @pytest.mark.slow
-def test_exact_resume_single_process_workers_accumulation(small_demo, tmp_path):
-    extra = ["trainer.max_steps=6", "trainer.accumulate_grad_batches=2", "checkpoint.every_n_steps=2"]
-    run_train(small_demo, tmp_path / "full", *extra)
-    interrupted_then_resumed(small_demo, tmp_path / "resumed", 3, *extra)
-    assert_same_run(tmp_path / "full", tmp_path / "resumed", n_micro=12, ranks=1, final_step=6)
+def test_exact_resume_single_process_workers_accumulation(small_demo, single_reference, tmp_path):
+    interrupted_then_resumed(small_demo, tmp_path / "resumed", 3, *SINGLE)
+    assert_same_run(single_reference, tmp_path / "resumed", n_micro=12, ranks=1, final_step=6)
 
 
 @pytest.mark.slow
@@ -127,12 +136,10 @@ def test_exact_resume_two_processes(small_demo, tmp_path, strategy):
 
 
 @pytest.mark.slow
-def test_kill_9_mid_run_resumes_from_last_checkpoint(small_demo, tmp_path):
-    extra = ["trainer.max_steps=8", "checkpoint.every_n_steps=2", "checkpoint.keep_last=2"]
-    run_train(small_demo, tmp_path / "full", *extra)
+def test_kill_9_mid_run_resumes_from_last_checkpoint(small_demo, single_reference, tmp_path):
     run_dir = tmp_path / "killed"
     proc = subprocess.Popen(
-        train_cmd(small_demo, run_dir, *extra),
+        train_cmd(small_demo, run_dir, *SINGLE),
         cwd=REPO,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
@@ -142,14 +149,14 @@ def test_kill_9_mid_run_resumes_from_last_checkpoint(small_demo, tmp_path):
     try:
         while not list_checkpoints(run_dir / "checkpoints") and proc.poll() is None:
             assert time.time() < deadline, "no checkpoint appeared"
-            time.sleep(0.2)
+            time.sleep(0.1)
         os.killpg(proc.pid, signal.SIGKILL)
     finally:
         proc.wait(timeout=60)
     assert proc.returncode == -signal.SIGKILL, "the run finished before it could be killed"
     left = [s for s, _ in list_checkpoints(run_dir / "checkpoints")]
-    assert left and left[-1] < 8
-    out = run_train(small_demo, run_dir, *extra)
+    assert left and left[-1] < 6
+    out = run_train(small_demo, run_dir, *SINGLE)  # the same command resumes from the newest checkpoint
     assert f"[resume] from {run_dir / 'checkpoints' / checkpoint_name(left[-1])}" in out
     assert not list((run_dir / "checkpoints").glob("*.tmp"))
-    assert_same_run(tmp_path / "full", run_dir, n_micro=8, ranks=1, final_step=8)
+    assert_same_run(single_reference, run_dir, n_micro=12, ranks=1, final_step=6)

@@ -65,3 +65,12 @@ def test_rendered_project_smoke_test_passes(tmp_path):
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     assert "2 passed" in proc.stdout
+
+
+def test_new_project_script_creates_and_refuses_to_overwrite(tmp_path):
+    cmd = [sys.executable, "scripts/new_project.py", "Shapes QA", "-o", str(tmp_path)]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "shapes-qa" / "shapes_qa" / "decode.py").is_file()
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and "already exists" in proc.stderr

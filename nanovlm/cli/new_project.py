@@ -1,0 +1,41 @@
+"""``python scripts/new_project.py NAME [-o DIR]``: create a new project from template/ (cookiecutter)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+TEMPLATE = Path(__file__).resolve().parent.parent.parent / "template"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="scripts/new_project.py",
+        description="Create a project built on nanovlm: configs/experiment.yaml (sparse override), a sample "
+        "decoding hook, scripts/train.py and scripts/prepare_data.py wrappers, and a CPU smoke test.",
+    )
+    p.add_argument("name", help="project name, e.g. 'Shapes QA' (folder: shapes-qa, package: shapes_qa)")
+    p.add_argument("-o", "--output-dir", default=".", help="where to create the project folder (default: .)")
+    p.add_argument("--description", default=None, help="one-line description")
+    p.add_argument("--author", default=None, help="author name for pyproject.toml")
+    args = p.parse_args(argv)
+    from cookiecutter.main import cookiecutter
+
+    context = {"project_name": args.name}
+    if args.description:
+        context["description"] = args.description
+    if args.author:
+        context["author"] = args.author
+    try:
+        path = cookiecutter(str(TEMPLATE), no_input=True, extra_context=context, output_dir=args.output_dir)
+    except Exception as e:  # e.g. the folder exists already
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(f"created {path}\nnext: cd {path} && pip install -e . && python -m pytest -q")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
