@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from nanovlm.bench.common import Stats, markdown_table, percentile
 from nanovlm.bench.pipeline_bench import _data_config, _proc_kb, _shards, reset_peak_rss
 from nanovlm.bench.workloads import demo_dirs
-from nanovlm.config import Config, load_config
+from nanovlm.config import Config, image_token_count, load_config
 
 
 def load_samples(cfg: Config, tokenizer, n: int) -> list:
@@ -107,56 +107,124 @@ def _fill(batches: list[dict]) -> float:
     return sum(b["meta"]["real_tokens"] for b in batches) / max(1, sum(b["meta"]["slots"] for b in batches))
 
 
-def train_mode(
-    cfg: Config, tokenizer, batches: list[dict], device: torch.device, reps: int, warmup: int, seed: int
-) -> dict[str, Any]:
-    """Train over ``batches`` ``reps`` times (after ``warmup`` steps); tokens/s per pass, step times pooled."""
-    from nanovlm.model import build_model
+def _malloc_trim() -> None:
+    try:
+        import ctypes
 
-    torch.manual_seed(seed)
-    model = build_model(cfg.model, tokenizer).to(device)
-    model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
-    amp = (
-        torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
-    )
-    dev_batches = [_to(b, device) for b in batches]
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
-    def step(b: dict) -> None:
-        with amp:
-            loss = model(b)["loss"]
+
+class ModeRunner:
+    """One layout (or attention backend): its own freshly seeded model and optimizer, and its batches.
+
+    Runners are timed interleaved (pass 1 of every mode, then pass 2, ...), so a burst of load from
+    elsewhere on the machine hits every mode alike instead of one mode's whole measurement.
+    """
+
+    def __init__(self, name: str, cfg: Config, tokenizer, batches: list[dict], device: torch.device, seed: int):
+        from nanovlm.model import build_model
+
+        self.name, self.batches, self.device = name, batches, device
+        torch.manual_seed(seed)
+        self.model = build_model(cfg.model, tokenizer).to(device)
+        self.model.train()
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4, fused=device.type == "cuda")
+        self.dev_batches = [_to(b, device) for b in batches]
+        self.tokens = sum(b["meta"]["real_tokens"] for b in batches)
+        self.rates: list[float] = []
+        self.step_ms: list[float] = []
+        self.peak_extra_mb = 0.0
+        self.error: str | None = None
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+
+    def step(self, b: dict) -> None:
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.device.type == "cuda"):
+            loss = self.model(b)["loss"]
         loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
 
-    for i in range(warmup):
-        step(dev_batches[i % len(dev_batches)])
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-    reset_peak_rss()
-    rates, step_ms = [], []
-    tokens = sum(b["meta"]["real_tokens"] for b in batches)
-    for _ in range(reps):
-        t_pass = time.perf_counter()
-        for b in dev_batches:
-            t0 = time.perf_counter()
-            step(b)
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            step_ms.append((time.perf_counter() - t0) * 1e3)
-        rates.append(tokens / (time.perf_counter() - t_pass))
-    peak = torch.cuda.max_memory_allocated() / 2**20 if device.type == "cuda" else _proc_kb("self", "VmHWM")
-    return {
-        "steps_per_pass": len(batches),
-        "real_tokens_per_pass": tokens,
-        "fill": _fill(batches),
-        "real_tokens_per_s": Stats.of(rates).to_dict(),
-        "step_ms_median": percentile(step_ms, 50),
-        "step_ms_p99": percentile(step_ms, 99),
-        "peak_memory_mb": peak,
-        "peak_memory_kind": "cuda max_memory_allocated" if device.type == "cuda" else "process peak RSS",
-    }
+    def warmup(self, n_steps: int) -> None:
+        """Warm-up steps (not timed); the peak memory above the resting level is measured here."""
+        if self.error:
+            return
+        try:
+            self._sync()
+            if self.device.type == "cuda":
+                base = torch.cuda.memory_allocated()
+                torch.cuda.reset_peak_memory_stats()
+            else:  # give freed heap back to the OS first, or this mode would reuse the previous mode's peak
+                _malloc_trim()
+                reset_peak_rss()
+                base = _proc_kb("self", "VmRSS") * 2**20
+            for i in range(n_steps):
+                self.step(self.dev_batches[i % len(self.dev_batches)])
+            self._sync()
+            peak = (
+                torch.cuda.max_memory_allocated() if self.device.type == "cuda" else _proc_kb("self", "VmHWM") * 2**20
+            )
+            self.peak_extra_mb = max(0.0, (peak - base) / 2**20)
+        except torch.OutOfMemoryError as e:
+            self._fail(e)
+
+    def timed_pass(self) -> None:
+        if self.error:
+            return
+        try:
+            t_pass = time.perf_counter()
+            for b in self.dev_batches:
+                t0 = time.perf_counter()
+                self.step(b)
+                self._sync()
+                self.step_ms.append((time.perf_counter() - t0) * 1e3)
+            self.rates.append(self.tokens / (time.perf_counter() - t_pass))
+        except torch.OutOfMemoryError as e:
+            self._fail(e)
+
+    def _fail(self, e: BaseException) -> None:
+        self.error = "out of memory: " + str(e).splitlines()[0][:120]
+        self.opt.zero_grad(set_to_none=True)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def release(self) -> None:
+        del self.model, self.opt, self.dev_batches
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def result(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "steps_per_pass": len(self.batches),
+            "real_tokens_per_pass": self.tokens,
+            "fill": _fill(self.batches),
+            "error": self.error,
+        }
+        if self.rates:
+            out.update(
+                real_tokens_per_s=Stats.of(self.rates).to_dict(),
+                step_ms_median=percentile(self.step_ms, 50),
+                step_ms_p99=percentile(self.step_ms, 99),
+                peak_memory_mb=self.peak_extra_mb,
+                peak_memory_kind="cuda peak allocated above resting (activations, grads, temporaries)"
+                if self.device.type == "cuda"
+                else "process peak RSS above resting",
+            )
+        return out
+
+
+def run_interleaved(runners: list[ModeRunner], reps: int, warmup: int, log=print) -> None:
+    for r in runners:
+        log(f"[train] warm-up {r.name}: {warmup} steps")
+        r.warmup(warmup)
+    for i in range(reps):
+        log(f"[train] pass {i + 1}/{reps}: " + ", ".join(f"{r.name} ({len(r.batches)} steps)" for r in runners))
+        for r in runners:
+            r.timed_pass()
 
 
 def _mfu(cfg: Config, vocab: int, batches: list[dict], tokens_per_s: float, device: torch.device) -> float | None:
@@ -188,71 +256,87 @@ def run(args: argparse.Namespace, log=print) -> tuple[dict[str, Any], str]:
     cfg = _data_config(args, 0)
     if not args.data:
         demo_dirs(cfg)
-    if device.type == "cuda":  # larger preset; same data
-        preset = args.preset or "model_222m.yaml"
+    preset = args.preset or ("model_222m.yaml" if device.type == "cuda" else "")
+    if preset:  # a larger model on the same data (the default on cuda)
         files = [*(args.config or ["tiny_cpu.yaml"]), preset]
         ov = [f"data.train=[{','.join(cfg.data.train)}]", f"data.tokenizer={cfg.data.tokenizer}", "data.val=[]"]
-        ov.append(f"data.max_tokens={args.budget or 4096}")
+        L = args.budget or (8192 if device.type == "cuda" else cfg.data.max_tokens)
+        ov += [f"data.max_tokens={L}", "data.make_demo_if_missing=false"]
+        if device.type == "cuda":
+            ov.append("model.attn_backend=auto")
         cfg = load_config(files, ov)
+    # One factor at a time: the layout. The image cap is raised so that the token budget is what binds
+    # (the packing section measures the image cap on its own).
+    itc = image_token_count(cfg.model)
+    cfg.data.max_images = max(cfg.data.max_images, cfg.data.max_tokens // max(1, itc // 2))
     tokenizer = load_tokenizer(args.tokenizer or cfg.data.tokenizer)
     pad_id = int(tokenizer.pad_token_id or 0)
-    n = (80 if quick else 400) if device.type == "cpu" else (400 if quick else 3000)
+    n = (80 if quick else 300) if device.type == "cpu" else (1000 if quick else 4000)
     log(f"[train] loading {n} samples for L={cfg.data.max_tokens} on {device}")
     samples = load_samples(cfg, tokenizer, n)
     if not samples:
         raise ValueError(f"no usable sample in {cfg.data.train} for max_tokens={cfg.data.max_tokens}")
     batches, layout = make_batches(samples, cfg, pad_id)
-    reps, warmup = args.reps, 2 if quick else 3
-    results: dict[str, Any] = {}
+    reps = args.reps
+    # cuda: a whole pass of warm-up, so every padded shape has been seen (kernels, allocator) before timing
+    warmup = max(len(v) for v in batches.values()) if device.type == "cuda" else (2 if quick else 3)
     backend = cfg.model.attn_backend
-    for mode in ("packed", "pad_to_longest", "constrained"):
-        log(f"[train] {mode}: {len(batches[mode])} steps x {reps}")
-        results[mode] = train_mode(cfg, tokenizer, batches[mode], device, reps, warmup, args.seed)
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
     vocab = resolve_vocab_size(cfg.model, tokenizer)
-    results["packed"]["mfu"] = _mfu(
-        cfg, vocab, batches["packed"], results["packed"]["real_tokens_per_s"]["median"], device
-    )
-    backends = []
-    if device.type == "cuda":
+    runners = [
+        ModeRunner(m, cfg, tokenizer, batches[m], device, args.seed)
+        for m in ("packed", "pad_to_longest", "constrained")
+    ]
+    backends: list[dict[str, Any]] = []
+    if device.type == "cuda" or args.backends:
         names = [b for b in (args.backends or "sdpa,torch_varlen,flash_attn").split(",") if b]
         for name in names:
             try:
-                resolve_backend(name, device, torch.bfloat16)
-            except Exception as e:  # unavailable backend: reported, not fatal
+                resolve_backend(name, device, torch.bfloat16 if device.type == "cuda" else torch.float32)
+            except Exception as e:  # an unavailable backend is reported, not fatal
                 backends.append({"backend": name, "unavailable": str(e).splitlines()[0]})
                 continue
             cfg.model.attn_backend = name
-            log(f"[train] packed with attention backend {name}")
-            r = train_mode(cfg, tokenizer, batches["packed"], device, reps, warmup, args.seed)
-            r["mfu"] = _mfu(cfg, vocab, batches["packed"], r["real_tokens_per_s"]["median"], device)
-            backends.append({"backend": name, **r})
+            runners.append(ModeRunner(f"packed/{name}", cfg, tokenizer, batches["packed"], device, args.seed))
+            backends.append({"backend": name})
         cfg.model.attn_backend = backend
+    run_interleaved(runners, reps, warmup, log)
+    results = {r.name: r.result() for r in runners[:3]}
+    by_name = {r.name: r for r in runners}
+    for b in backends:
+        if "unavailable" not in b:
+            b.update(by_name[f"packed/{b['backend']}"].result())
+    for r in runners:
+        r.release()
+    for res in [results["packed"], *[b for b in backends if "real_tokens_per_s" in b]]:
+        if "real_tokens_per_s" in res:
+            res["mfu"] = _mfu(cfg, vocab, batches["packed"], res["real_tokens_per_s"]["median"], device)
     p, q = results["packed"], results["pad_to_longest"]
     ideal = p["fill"] / q["fill"]
-    actual = p["real_tokens_per_s"]["median"] / q["real_tokens_per_s"]["median"]
-    check = {
-        "ideal_ratio": ideal,
-        "actual_ratio": actual,
-        "fraction_of_ideal": actual / ideal,
-        "target_met": actual / ideal >= 0.9,
-    }
+    if "real_tokens_per_s" in p and "real_tokens_per_s" in q:
+        actual = p["real_tokens_per_s"]["median"] / q["real_tokens_per_s"]["median"]
+        check = {"ideal_ratio": ideal, "actual_ratio": actual, "fraction_of_ideal": actual / ideal}
+        check["target_met"] = check["fraction_of_ideal"] >= 0.9
+    else:  # one of them failed (e.g. pad-to-longest out of memory): no ratio to check
+        check = {"ideal_ratio": ideal, "actual_ratio": None, "fraction_of_ideal": None, "target_met": None}
 
     from nanovlm.model import build_model, num_parameters
 
-    params = num_parameters(build_model(cfg.model, tokenizer))["total"]
+    params = num_parameters(build_model(cfg.model, tokenizer))["total"]  # on the CPU: counting only
     md = ["## Training throughput", ""]
     md.append(
-        f"Model: {params / 1e6:.1f}M parameters ({'tiny_cpu' if device.type == 'cpu' else args.preset or 'model_222m.yaml'}, "
+        f"Model: {params / 1e6:.1f}M parameters ({preset or (args.config or ['tiny_cpu.yaml'])[-1]}, "
         f"attention backend {backend}), device {device}, L = {cfg.data.max_tokens}, {layout['samples']} samples; "
         f"padded modes use B = {layout['batch_size']}, constrained cutoff {layout['cutoff']}. Tokens/s: median "
-        f"[min-max] of {reps} passes after {warmup} warm-up steps; step times pooled over all passes."
+        f"[min-max] of {reps} passes (modes interleaved) after {warmup} warm-up steps; step times pooled over all "
+        "passes; peak memory: above the resting level (activations, gradients, temporaries)."
     )
     md.append("")
     rows = []
     for mode in ("packed", "pad_to_longest", "constrained"):
         r = results[mode]
+        if "real_tokens_per_s" not in r:
+            rows.append([mode, f"{100 * r['fill']:.1f}%", r["steps_per_pass"], r["error"], "-", "-", "-", "-"])
+            continue
         rows.append(
             [
                 mode,
@@ -270,17 +354,22 @@ def run(args: argparse.Namespace, log=print) -> tuple[dict[str, Any], str]:
             ["layout", "fill", "steps", "real tokens/s", "step ms median", "step ms p99", "peak memory MB", "MFU"], rows
         )
     )
-    md += [
-        "",
-        f"Packed / pad-to-longest real tokens/s: {actual:.2f}x; ideal (ratio of fills) {ideal:.2f}x; "
-        f"{100 * actual / ideal:.0f}% of ideal (target >= 90%: {'met' if check['target_met'] else 'MISSED'}).",
-    ]
+    if check["actual_ratio"] is not None:
+        md += [
+            "",
+            f"Packed / pad-to-longest real tokens/s: {check['actual_ratio']:.2f}x; ideal (ratio of fills) {ideal:.2f}x; "
+            f"{100 * check['fraction_of_ideal']:.0f}% of ideal (target >= 90%: "
+            f"{'met' if check['target_met'] else 'MISSED'}).",
+        ]
+    else:
+        md += ["", "No ratio: pad-to-longest or packed did not finish (see the table)."]
     if backends:
         md += ["", "Attention backends (packed):", ""]
         brow = []
         for b in backends:
-            if "unavailable" in b:
-                brow.append([b["backend"], "unavailable: " + b["unavailable"][:80], "-", "-", "-", "-"])
+            if "unavailable" in b or "real_tokens_per_s" not in b:
+                why = b.get("unavailable") or b.get("error") or "failed"
+                brow.append([b["backend"], why[:90], "-", "-", "-", "-"])
             else:
                 brow.append(
                     [
