@@ -160,3 +160,27 @@ def test_kill_9_mid_run_resumes_from_last_checkpoint(small_demo, single_referenc
     assert f"[resume] from {run_dir / 'checkpoints' / checkpoint_name(left[-1])}" in out
     assert not list((run_dir / "checkpoints").glob("*.tmp"))
     assert_same_run(single_reference, run_dir, n_micro=12, ranks=1, final_step=6)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_sigterm_under_ddp_saves_on_all_ranks_and_exits_cleanly(small_demo, tmp_path):
+    """SIGTERM to rank 0 only (as `kill <pid>` does): every rank stops at the same step after one checkpoint."""
+    run_dir = tmp_path / "term"
+    extra = ["trainer.max_steps=200", "trainer.devices=2", "trainer.strategy=ddp", "checkpoint.every_n_steps=0"]
+    proc = subprocess.Popen(
+        train_cmd(small_demo, run_dir, *extra), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    deadline = time.time() + TIMEOUT
+    trace = run_dir / "steps.jsonl"
+    while not (trace.is_file() and len(trace.read_text().splitlines()) >= 2):
+        assert proc.poll() is None and time.time() < deadline, "training did not start"
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=TIMEOUT)
+    assert proc.returncode == 0, out[-3000:]
+    assert "signal received: saved" in out and "Run the same command again to resume" in out
+    ckpts = list_checkpoints(run_dir / "checkpoints")
+    assert len(ckpts) == 1 and 2 <= ckpts[0][0] < 200
+    step = ckpts[0][0]
+    assert len(steps(run_dir, 0)) == len(steps(run_dir, 1)) == step

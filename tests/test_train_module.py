@@ -282,3 +282,17 @@ def test_sigterm_saves_and_stops(tmp_path):
     trainer.fit(module, datamodule=StreamDataModule(cfg), weights_only=True)
     assert ckpt.preempted and trainer.global_step == 3
     assert [s for s, _ in list_checkpoints(tmp_path / "checkpoints")] == [3]
+
+
+def test_activation_checkpointing_keeps_names_and_gradients(tmp_path):
+    from nanovlm.train.strategies import apply_activation_checkpointing
+
+    cfg = tiny_cfg(tmp_path)
+    plain, ckpt = tiny_model(cfg), tiny_model(cfg)
+    apply_activation_checkpointing(ckpt)
+    assert list(plain.state_dict()) == list(ckpt.state_dict())  # checkpoints load either way
+    batch = synthetic_batch(0, cfg)
+    for m in (plain, ckpt):
+        m(batch)["loss"].backward()
+    for (name, a), (_, b) in zip(plain.named_parameters(), ckpt.named_parameters()):
+        assert torch.allclose(a.grad, b.grad, atol=1e-6), name
