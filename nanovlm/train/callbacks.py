@@ -181,11 +181,10 @@ class Telemetry(pl.Callback):
         self._t_prev_end = None
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch, batch_idx) -> None:
-        now = time.perf_counter()
+        # The first batch of an interval is not counted: the time before it also holds checkpoint saving and
+        # validation, which run after the previous interval was logged.
         if self._t_prev_end is not None:
-            self.acc["wait_s"] += now - self._t_prev_end
-        else:  # the first batch of this interval: count the wait since the interval started
-            self.acc["wait_s"] += now - self.t0
+            self.acc["wait_s"] += time.perf_counter() - self._t_prev_end
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs, batch, batch_idx) -> None:
         for k, v in batch_stats(batch).items():
