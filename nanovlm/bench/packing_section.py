@@ -25,7 +25,7 @@ class PackingPlan:
     reps: int = 5
     seed: int = 0
     index_sets: list[dist.LengthSet] = field(default_factory=list)  # demo / --index / real data
-    index_budget: dict[str, tuple[int, int]] = field(default_factory=dict)  # name -> (L, max_images)
+    index_budget: dict[str, tuple[int, ...]] = field(default_factory=dict)  # name -> (L, images, lookahead, carry)
 
     @classmethod
     def quick(cls) -> PackingPlan:
@@ -41,9 +41,12 @@ def run(plan: PackingPlan, log=print) -> tuple[dict[str, Any], str]:
     cells = []
     common = dict(lookahead=plan.lookahead, max_carry=plan.max_carry, reps=plan.reps, seed=plan.seed)
     for ls in plan.index_sets:
-        L, mi = plan.index_budget.get(ls.name, (plan.budgets[0], plan.token_bound_images))
-        log(f"[packing] {ls.name}: L={L} images<={mi}")
-        cells.append(run_cell(ls, L, max_images=mi, **common) | {"regime": "dataset"})
+        L, mi, la, mc = plan.index_budget.get(
+            ls.name, (plan.budgets[0], plan.token_bound_images, plan.lookahead, plan.max_carry)
+        )
+        log(f"[packing] {ls.name}: L={L} images<={mi} lookahead={la}")
+        own = common | {"lookahead": la, "max_carry": mc}  # the data config the dataset would train with
+        cells.append(run_cell(ls, L, max_images=mi, **own) | {"regime": "dataset"})
     for ls in synth:
         for L in plan.budgets:
             log(f"[packing] {ls.name}: L={L} images<={plan.token_bound_images}")

@@ -23,17 +23,17 @@ def demo_dirs(cfg: Config) -> tuple[list[str], str]:
     return list(cfg.data.train), cfg.data.tokenizer
 
 
-def index_length_sets(args: argparse.Namespace) -> tuple[list[dist.LengthSet], dict[str, tuple[int, int]]]:
+def index_length_sets(args: argparse.Namespace) -> tuple[list[dist.LengthSet], dict[str, tuple[int, ...]]]:
     """Length sets for the packing section: the demo data (unless --index is given) and every --index dir.
 
-    Budgets: ``--budget`` or the config's ``data.max_tokens``; image cap: the config's ``data.max_images``;
-    image tokens per image: the config's model (the same formula training uses).
+    Budgets: ``--budget`` or the config's ``data.max_tokens``; image cap, lookahead and carry: the config's
+    ``data`` section; image tokens per image: the config's model (the same formula training uses).
     """
     cfg = bench_config(args)
     L = args.budget or cfg.data.max_tokens
     itc = image_token_count(cfg.model)
     sets: list[dist.LengthSet] = []
-    budgets: dict[str, tuple[int, int]] = {}
+    budgets: dict[str, tuple[int, ...]] = {}
     dirs = list(args.index)
     if not dirs:
         train, _ = demo_dirs(cfg)
@@ -43,5 +43,5 @@ def index_length_sets(args: argparse.Namespace) -> tuple[list[dist.LengthSet], d
             raise FileNotFoundError(f"--index {d}: no index.json there (prepare it with scripts/prepare_data.py)")
         ls = dist.from_index(d, image_token_count=itc, name=f"index:{Path(d).parent.name}/{Path(d).name}")
         sets.append(ls)
-        budgets[ls.name] = (L, cfg.data.max_images)
+        budgets[ls.name] = (L, cfg.data.max_images, cfg.data.lookahead, cfg.data.max_carry)
     return sets, budgets
