@@ -282,6 +282,41 @@ def test_producer_failure_stops_the_run_naming_the_sample_and_keeps_checkpoints(
     assert not list((run_dir / "checkpoints").glob("*.tmp"))
 
 
+def test_training_counts_and_logs_bad_samples(demo, tmp_path, caplog):
+    """A run over shards with broken samples trains on, logs each skip with its key and reason, and reports the
+    count in its metrics (``train/skipped_samples``)."""
+    from nanovlm.config import load_config
+    from nanovlm.data.datamodule import PackedMultimodalDataModule
+    from nanovlm.train.run import train as run_training
+
+    train = _copy_dataset(demo / "train", tmp_path / "train")
+    cfg = load_config(["tiny_cpu.yaml"], [*overrides(demo, tmp_path / "run", train), "trainer.max_steps=4"])
+    dm = PackedMultimodalDataModule(cfg.data, cfg.model)
+    dm.setup("fit")
+    first = []
+    for batch in dm.train_dataloader():  # the samples of the 4 packs the run will train
+        first.append(batch["sample_keys"])
+        dm.on_batch_consumed(batch)
+        if len(first) == 4:
+            break
+    planned = sum(dm.telemetry()["skips_by_reason"].values())  # e.g. over-length samples, skipped by plan
+    n_images = {
+        k: n for s in json.loads((train / "index.json").read_text())["shards"] for k, n in zip(s["keys"], s["n_images"])
+    }
+    broken = {keys[-1] for keys in first[1:] if n_images[keys[-1]] > 0}  # one sample with an image in packs 2..4
+    assert len(broken) >= 2
+    for s in range(len(json.loads((train / "index.json").read_text())["shards"])):
+        rewrite_shard(train, s, lambda k, sfx, d: not_an_image() if k in broken and sfx.endswith(("jpg", "png")) else d)
+    with caplog.at_level("WARNING"):
+        result = run_training(cfg)
+    assert result.global_step == 4
+    assert sum(row["train/skipped_samples"] for row in result.telemetry) == planned + len(broken)
+    for key in broken:
+        assert re.search(rf"skipped sample {key} \(\S+\) \(unreadable_image\)", caplog.text), key
+    trained = {k for r in steps(tmp_path / "run") for k in r["keys"]}
+    assert not trained & broken and trained == {k for keys in first for k in keys} - broken
+
+
 # ----------------------------------------------------------------------------------------------------------
 # a DataLoader worker is killed
 
