@@ -13,6 +13,7 @@ min/max reported) and one factor changes at a time.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -33,7 +34,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--reps", type=int, default=None, help="timed repetitions per measurement (default 5; 3 with --quick)"
     )
-    p.add_argument("--synthetic-samples", type=int, default=0, help="samples per synthetic distribution (default 20000; 3000 with --quick)")
+    p.add_argument(
+        "--synthetic-samples",
+        type=int,
+        default=0,
+        help="samples per synthetic distribution (default 20000; 3000 with --quick)",
+    )
     p.add_argument("--config", action="append", default=[], help="config file(s) for the data/model sections")
     p.add_argument("--index", action="append", default=[], metavar="DIR", help="dataset dir(s) whose lengths to pack")
     p.add_argument(
@@ -83,7 +89,8 @@ def main(argv: list[str] | None = None) -> int:
         md += [text, ""]
         print(f"[{name}] done in {part['wall_s']:.1f} s", file=sys.stderr, flush=True)
     doc["wall_s"] = time.perf_counter() - t_start
-    md.append(f"Total wall time: {doc['wall_s']:.0f} s.")
+    doc["load_avg_1m_end"] = round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None
+    md.append(f"Total wall time: {doc['wall_s']:.0f} s; load average at the end {doc['load_avg_1m_end']}.")
     report = "\n".join(md)
     print(report)
     if args.json:
