@@ -196,12 +196,30 @@ def test_sigkill_mid_checkpoint_write_keeps_previous_and_resume_is_exact(demo, t
 
 
 @pytest.mark.slow
-def test_sigterm_saves_a_checkpoint_and_exits_cleanly(demo, tmp_path):
+@pytest.mark.parametrize(
+    "target",
+    [
+        "main",
+        pytest.param(
+            "group",
+            marks=pytest.mark.xfail(
+                strict=True, reason="open gap: SIGTERM kills the DataLoader workers, the preemption save then fails"
+            ),
+        ),
+    ],
+)
+def test_sigterm_saves_a_checkpoint_and_exits_cleanly(demo, tmp_path, target):
+    """``main``: ``kill <pid>`` of a run without workers. ``group``: SIGTERM to every process of the run, its
+    DataLoader worker included, as SLURM preemption / ``scancel`` deliver it to a job step."""
     run_dir = tmp_path / "run"
-    proc = start(train_cmd(demo, run_dir, "trainer.max_steps=200", "checkpoint.every_n_steps=0"))
+    workers = "data.num_workers=1" if target == "group" else "data.num_workers=0"
+    proc = start(train_cmd(demo, run_dir, "trainer.max_steps=200", "checkpoint.every_n_steps=0", workers))
     try:
         wait_for(lambda: n_logged(run_dir) >= 2, proc, "two trained steps")
-        os.kill(proc.pid, signal.SIGTERM)  # what SLURM / scancel / kill send
+        if target == "group":
+            os.killpg(proc.pid, signal.SIGTERM)
+        else:
+            os.kill(proc.pid, signal.SIGTERM)
         out, _ = proc.communicate(timeout=TIMEOUT)
     finally:
         if proc.poll() is None:
