@@ -284,3 +284,22 @@ def test_prepare_data_never_follows_symlinked_jsonl_images_out_of_root_even_via_
         resolve_image_path(ref, image_root)
     assert exc.value.reason == "unsafe_path"
     assert os.path.exists(image_root / "linkdir" / "secret.png")
+
+
+def test_resume_from_a_malicious_checkpoint_refuses_without_running_it(tmp_path, tiny_tokenizer):
+    """The real resume path (``checkpoint.resume=auto`` through the train CLI and Lightning) loads with
+    weights_only=True: a planted checkpoint holding code is refused and the code never runs."""
+    from test_reliability_process import overrides
+
+    from nanovlm.cli.train import main
+    from nanovlm.data.demo import make_demo_data
+
+    data = tmp_path / "demo"
+    make_demo_data(data, train_samples=24, val_samples=4, samples_per_shard=24, image_token_count=4)
+    run_dir = tmp_path / "run"
+    (run_dir / "checkpoints").mkdir(parents=True)
+    marker = tmp_path / "pwned"
+    malicious_checkpoint(run_dir / "checkpoints" / "step-00000009.ckpt", marker)
+    with pytest.raises(pickle.UnpicklingError, match="Weights only load failed"):
+        main([*overrides(data, run_dir), "trainer.max_steps=12"])
+    assert not marker.exists()
