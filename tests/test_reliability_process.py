@@ -380,6 +380,24 @@ def test_killed_dataloader_worker_is_a_clear_error_not_a_hang(demo):
 
 
 # ----------------------------------------------------------------------------------------------------------
+# a corrupt checkpoint on disk (copied half-way, bit rot)
+
+
+def test_corrupt_latest_checkpoint_is_an_error_naming_it_not_a_fresh_start(demo, tmp_path, capsys):
+    """checkpoint.resume=auto must not silently train from scratch over a checkpoint it cannot read."""
+    from nanovlm.cli.train import main
+
+    run_dir = tmp_path / "run"
+    ckpt = run_dir / "checkpoints" / checkpoint_name(4)
+    ckpt.parent.mkdir(parents=True)
+    ckpt.write_bytes(b"PK\x03\x04" + bytes(200))  # a zip header and nothing else
+    with pytest.raises(RuntimeError, match="corrupt"):
+        main([*overrides(demo, run_dir), "trainer.max_steps=6"])
+    assert f"[resume] from {ckpt}" in capsys.readouterr().out
+    assert not (run_dir / "steps.jsonl").exists() or n_logged(run_dir) == 0  # nothing was trained
+
+
+# ----------------------------------------------------------------------------------------------------------
 # disk full while saving
 
 
