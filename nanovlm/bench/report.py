@@ -31,7 +31,9 @@ def plot_fill(cells: list[dict[str, Any]], path: str | os.PathLike) -> Path:
         for r in c["rows"]:
             if _short(r["strategy"]) not in strategies:
                 strategies.append(_short(r["strategy"]))
-    labels = [f"{c['distribution']['name']}\nL={c['budget_tokens']}, img<={c['max_images']}" for c in cells]
+    labels = [
+        f"{c['distribution']['name'].split('(')[0]}\nL={c['budget_tokens']}\nimages<={c['max_images']}" for c in cells
+    ]
     width = 0.8 / len(strategies)
     fig, ax = plt.subplots(figsize=(max(8.0, 1.9 * len(cells)), 5.0))
     cmap = plt.get_cmap("tab10")
@@ -46,7 +48,7 @@ def plot_fill(cells: list[dict[str, Any]], path: str | os.PathLike) -> Path:
         label = s + (" (at peak step)" if s.startswith("DataCollatorWithFlattening") else "")
         ax.bar(xs, ys, width, label=label, color=cmap(k % 10))
     ax.set_xticks(range(len(cells)))
-    ax.set_xticklabels(labels, fontsize=7)
+    ax.set_xticklabels(labels, fontsize=8)
     ax.set_ylabel("fill: real tokens / slots (%)")
     ax.set_ylim(0, 105)
     ax.axhline(99, color="grey", lw=0.6, ls="--")
