@@ -351,32 +351,44 @@ it = iter(dm.train_dataloader())
 next(it)
 time.sleep(4.0)  # the worker runs ahead: it prepares and queues the next batch
 (worker,) = multiprocessing.active_children()
-if os.environ.get("BLOCK_SIGCHLD"):  # torch's SIGCHLD check then cannot win the race: the handover fails first
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCHLD})
+if os.environ.get("NO_SIGCHLD_CHECK"):  # only the batch handover can notice the death (the usual first sign)
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+errors = []
 t0 = time.time()
 try:
-    os.kill(worker.pid, signal.SIGKILL)  # the OOM killer's way
-    for _ in range(100_000):  # the stream must fail, not hang
-        next(it)
-    print("NO ERROR")
-except BaseException as e:
-    print(f"ERROR {type(e).__name__}: {e}")
-    print(f"AFTER {time.time() - t0:.1f}s")
+    try:
+        os.kill(worker.pid, signal.SIGKILL)  # the OOM killer's way
+        for _ in range(100_000):  # the stream must fail, not hang
+            next(it)
+    except BaseException as e:
+        errors.append(e)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+except BaseException as e:  # torch's SIGCHLD handler may raise (once) while the first error is handled
+    errors.append(e)
+signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+elapsed = time.time() - t0
+print("FIRST ERROR " + (f"{type(errors[0]).__name__}: {errors[0]}" if errors else "none") + f" AFTER {elapsed:.1f}s")
 """
 
 
-@pytest.mark.xfail(strict=True, reason="open gap: a batch queued by the killed worker fails as ConnectionResetError")
+@pytest.mark.xfail(
+    reason="open gap: a batch queued by the killed worker may fail as a bare ConnectionResetError (race)"
+)
 def test_killed_dataloader_worker_is_a_clear_error_not_a_hang(demo):
-    """Receiving a batch the dead worker had queued needs the worker (shared-memory handover), and torch's own
-    dead-worker check runs from a SIGCHLD handler: whichever comes first, the error must say that a DataLoader
-    worker died. (A subprocess, so the SIGCHLD handler cannot fire inside pytest.)"""
+    """Receiving a batch the dead worker had queued needs the worker (shared-memory handover); torch's own
+    dead-worker check, a SIGCHLD handler, often comes second. With that check switched off, the handover failure
+    alone must already say that a DataLoader worker died. (A subprocess: torch's handler must not fire inside
+    pytest.)"""
     cmd = [sys.executable, "-c", KILL_WORKER_SCRIPT, *overrides(demo, demo / "unused"), "data.num_workers=1"]
-    out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120, env=env() | {"BLOCK_SIGCHLD": "1"})
+    out = subprocess.run(
+        cmd, cwd=REPO, capture_output=True, text=True, timeout=120, env=env() | {"NO_SIGCHLD_CHECK": "1"}
+    )
     text = out.stdout + out.stderr
-    assert "ERROR " in out.stdout, text[-3000:]
-    error = out.stdout.split("ERROR ", 1)[1]
+    match = re.search(r"FIRST ERROR (.*) AFTER ([0-9.]+)s", out.stdout, re.S)
+    assert match, text[-3000:]
+    error, seconds = match.group(1), float(match.group(2))
     assert "DataLoader worker" in error and re.search(r"killed|died|exited unexpectedly", error), error
-    assert float(re.search(r"AFTER ([0-9.]+)s", out.stdout).group(1)) < 60
+    assert seconds < 60
 
 
 # ----------------------------------------------------------------------------------------------------------
