@@ -93,8 +93,21 @@ def env() -> dict[str, str]:
     return os.environ | {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 
-def run(cmd: list[str], timeout: float = TIMEOUT) -> subprocess.CompletedProcess:
-    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env())
+def run(
+    cmd: list[str], timeout: float = TIMEOUT, extra_env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
+    """Run to completion; on timeout kill the whole process group (DDP ranks, workers) and fail."""
+    proc = subprocess.Popen(
+        cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env() | (extra_env or {}),
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        raise AssertionError(f"timed out after {timeout} s (a hang):\n{(out + err)[-3000:]}") from None
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 def start(cmd: list[str]) -> subprocess.Popen:
@@ -380,9 +393,7 @@ def test_killed_dataloader_worker_is_a_clear_error_not_a_hang(demo):
     alone must already say that a DataLoader worker died. (A subprocess: torch's handler must not fire inside
     pytest.)"""
     cmd = [sys.executable, "-c", KILL_WORKER_SCRIPT, *overrides(demo, demo / "unused"), "data.num_workers=1"]
-    out = subprocess.run(
-        cmd, cwd=REPO, capture_output=True, text=True, timeout=120, env=env() | {"NO_SIGCHLD_CHECK": "1"}
-    )
+    out = run(cmd, timeout=120, extra_env={"NO_SIGCHLD_CHECK": "1"})
     text = out.stdout + out.stderr
     match = re.search(r"FIRST ERROR (.*) AFTER ([0-9.]+)s", out.stdout, re.S)
     assert match, text[-3000:]
@@ -491,7 +502,7 @@ def test_rank_with_far_less_usable_data_steps_with_the_others(demo, tmp_path):
         "data.max_skip_rate=1.0",
         train=train,
     )
-    out = run(cmd, timeout=2 * TIMEOUT)
+    out = run(cmd, timeout=TIMEOUT)  # a rank waiting forever in a collective fails here
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     r0, r1 = steps(run_dir, 0), steps(run_dir, 1)
     assert [r["step"] for r in r0] == [r["step"] for r in r1] == list(range(1, max_steps + 1))
