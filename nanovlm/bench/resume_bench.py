@@ -72,7 +72,7 @@ def run(args: argparse.Namespace, log=print) -> tuple[dict[str, Any], str]:
     dm.setup("fit")
     per_epoch = dm.current_plan().batches_per_rank()
     base = dm.state_dict()
-    positions = {"fresh": None, "early": 1, "mid": per_epoch // 2, "late": max(1, per_epoch - 2)}
+    positions = {"fresh": None, "early": 1, "mid": per_epoch // 2, "late": max(1, per_epoch * 9 // 10)}
     reps = args.reps
     in_process = args.quick  # --quick: no new interpreter per measurement (imports not counted)
     workdir = Path(args.workdir)
@@ -86,21 +86,23 @@ def run(args: argparse.Namespace, log=print) -> tuple[dict[str, Any], str]:
         "data.make_demo_if_missing=false",
     ]
     results = {}
+    specs = {}
     for name, consumed in positions.items():
         state = None
         if consumed is not None:
             state = json.loads(json.dumps(base))
             state["ranks"][0]["consumed"] = consumed
-        spec = workdir / f"resume_{name}.json"
-        spec.write_text(
+        specs[name] = workdir / f"resume_{name}.json"
+        specs[name].write_text(
             json.dumps({"config_files": args.config or ["tiny_cpu.yaml"], "overrides": overrides, "state": state})
         )
-        runs = []
-        log(f"[resume] {name} (position {consumed or 0} of {per_epoch}) x {reps}")
-        for _ in range(reps):
+    runs: dict[str, list[dict]] = {name: [] for name in positions}
+    for i in range(reps):  # positions interleaved, so a burst of load hits all of them alike
+        log(f"[resume] round {i + 1}/{reps}: " + ", ".join(f"{n} ({c or 0}/{per_epoch})" for n, c in positions.items()))
+        for name, spec in specs.items():
             t_spawn = time.time()
             if in_process:
-                runs.append(measure(json.loads(spec.read_text()), t_spawn))
+                runs[name].append(measure(json.loads(spec.read_text()), t_spawn))
                 continue
             out = subprocess.run(
                 [sys.executable, "-m", "nanovlm.bench.resume_bench", "--child", str(spec), repr(t_spawn)],
@@ -112,14 +114,15 @@ def run(args: argparse.Namespace, log=print) -> tuple[dict[str, Any], str]:
             lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
             if out.returncode != 0 or not lines:
                 raise RuntimeError(f"resume child failed ({name}): {out.stderr[-2000:]}")
-            runs.append(json.loads(lines[-1]))
-        for r in runs:
+            runs[name].append(json.loads(lines[-1]))
+    for name, consumed in positions.items():
+        for r in runs[name]:
             if r["index"] != (consumed or 0) or r["epoch"] != 0:
                 raise RuntimeError(f"resume at {consumed} yielded batch {r['index']} of epoch {r['epoch']}")
         results[name] = {
             "position": consumed or 0,
             **{
-                k: Stats.of([r[k] for r in runs]).to_dict()
+                k: Stats.of([r[k] for r in runs[name]]).to_dict()
                 for k in ("total_s", "data_s", "imports_s", "setup_s", "load_state_s", "first_batch_s")
             },
         }
@@ -132,7 +135,7 @@ def run(args: argparse.Namespace, log=print) -> tuple[dict[str, Any], str]:
     md.append(
         f"Time from {'DataModule construction (in-process, --quick)' if in_process else 'process start'} to the first "
         f"batch; epoch of {per_epoch} batches, {cfg.data.num_workers} worker(s), data {', '.join(cfg.data.train)}. "
-        f"Median [min-max] of {reps} runs; each checks that its first batch is the batch at the restored position. "
+        f"Median [min-max] of {reps} runs, positions interleaved; each checks that its first batch is the batch at the restored position. "
         "*data s* = setup + restore + first batch (the part that could depend on the position)."
     )
     md.append("")
