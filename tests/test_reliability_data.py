@@ -488,7 +488,6 @@ def test_corrupt_header_inside_a_sample_is_a_counted_skip_not_a_partial_sample(t
     assert dm.telemetry()["skips_by_reason"] == {"corrupt_member": 1}
 
 
-@pytest.mark.xfail(strict=True, reason="open gap: no end-of-epoch log line with the skips by reason")
 def test_each_epoch_ends_with_a_logged_skip_summary(faulty, tiny_tokenizer, caplog):
     """Per-sample warnings scroll by; the end of each data epoch logs its skips by reason in one line."""
     from collections import Counter

@@ -228,6 +228,11 @@ class _TimedDataLoader(DataLoader):
                 batch = next(it)
             except StopIteration:
                 return
+            except (ConnectionError, EOFError) as e:  # torch's own dead-worker check can come second
+                raise RuntimeError(
+                    f"a DataLoader worker died while handing over a batch ({type(e).__name__}: {e}); it was probably "
+                    "killed (out of memory?): lower data.num_workers or data.queue_size, or give the job more memory"
+                ) from e
             if sink is not None:
                 sink[0] += time.perf_counter() - t0
             yield batch
@@ -451,6 +456,14 @@ class PackedMultimodalDataModule(L.LightningDataModule):
         self._pos.consumed = index + 1
         if meta.get("epoch_end"):  # epoch done: its cut packs open the next one
             self._last_epoch_skips = self._epoch_skips_by_reason()
+            if self._last_epoch_skips:
+                log.warning(
+                    "data epoch %d (rank %d): skipped %d samples: %s",
+                    epoch,
+                    self.rank,
+                    sum(self._last_epoch_skips.values()),
+                    ", ".join(f"{r}={n}" for r, n in sorted(self._last_epoch_skips.items())),
+                )
             self._pos = _Position(epoch + 1, 0, np.asarray(meta["carry_out"], np.int64), ())
             self._epoch_skips = Counter()
             self._start_epoch_accounting()
