@@ -65,6 +65,22 @@ _WORDS = [
 ]
 
 
+# A ~80K-parameter model (16 px images, 4 tokens per image): the shape every multi-step training test uses.
+MICRO_MODEL = [
+    "model.vision.image_size=16",
+    "model.vision.patch_size=4",
+    "model.vision.hidden_size=32",
+    "model.vision.num_layers=1",
+    "model.vision.num_heads=2",
+    "model.vision.intermediate_size=64",
+    "model.language.hidden_size=48",
+    "model.language.num_layers=2",
+    "model.language.num_heads=4",
+    "model.language.num_kv_heads=2",
+    "model.language.intermediate_size=96",
+]
+
+
 def tiny_corpus(n: int = 300) -> list[str]:
     """A small deterministic text corpus (enough for a few hundred BPE merges)."""
     rng = np.random.default_rng(0)

@@ -33,6 +33,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import MICRO_MODEL
 from faults import not_an_image, rewrite_shard
 
 from nanovlm.train.checkpoint import checkpoint_name, list_checkpoints
@@ -58,17 +59,7 @@ def demo(tmp_path_factory) -> Path:
 def overrides(data: Path, run_dir: Path, train: Path | None = None) -> list[str]:
     """A ~80K-parameter model, 128-token packs, no validation or evaluation: seconds per run."""
     return [
-        "model.vision.image_size=16",
-        "model.vision.patch_size=4",
-        "model.vision.hidden_size=32",
-        "model.vision.num_layers=1",
-        "model.vision.num_heads=2",
-        "model.vision.intermediate_size=64",
-        "model.language.hidden_size=48",
-        "model.language.num_layers=2",
-        "model.language.num_heads=4",
-        "model.language.num_kv_heads=2",
-        "model.language.intermediate_size=96",
+        *MICRO_MODEL,
         f"data.train=[{train or data / 'train'}]",
         "data.val=[]",
         f"data.tokenizer={data}/tokenizer",

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import MICRO_MODEL
 
 from nanovlm.train.checkpoint import checkpoint_name, list_checkpoints
 
@@ -29,17 +30,7 @@ TIMEOUT = 300
 def tiny_overrides(data: Path) -> list[str]:
     """A ~80K-parameter model (4 tokens per image) on a 160-sample demo dataset, 256-token packs."""
     return [
-        "model.vision.image_size=16",
-        "model.vision.patch_size=4",
-        "model.vision.hidden_size=32",
-        "model.vision.num_layers=1",
-        "model.vision.num_heads=2",
-        "model.vision.intermediate_size=64",
-        "model.language.hidden_size=48",
-        "model.language.num_layers=2",
-        "model.language.num_heads=4",
-        "model.language.num_kv_heads=2",
-        "model.language.intermediate_size=96",
+        *MICRO_MODEL,
         f"data.train=[{data}/train]",
         f"data.val=[{data}/val]",
         f"data.tokenizer={data}/tokenizer",

@@ -11,6 +11,7 @@ from pathlib import Path
 import lightning.pytorch as pl
 import pytest
 import torch
+from conftest import MICRO_MODEL
 from torch.utils.data import DataLoader, IterableDataset
 
 from nanovlm.config import Config, image_token_count, load_config
@@ -32,17 +33,7 @@ IMAGE_ID = 95
 PAD_ID = 0
 
 TINY = [
-    "model.vision.image_size=16",
-    "model.vision.patch_size=4",
-    "model.vision.hidden_size=32",
-    "model.vision.num_layers=1",
-    "model.vision.num_heads=2",
-    "model.vision.intermediate_size=64",
-    "model.language.hidden_size=48",
-    "model.language.num_layers=2",
-    "model.language.num_heads=4",
-    "model.language.num_kv_heads=2",
-    "model.language.intermediate_size=96",
+    *MICRO_MODEL,
     "model.attn_backend=sdpa",
     "data.max_tokens=64",
     "data.val=[]",
