@@ -180,7 +180,7 @@ def test_sigkill_mid_checkpoint_write_keeps_previous_and_resume_is_exact(demo, t
 
     assert [s for s, _ in list_checkpoints(ckpts)] == [2]  # the torn write is not a checkpoint
     assert load_ckpt(ckpts / checkpoint_name(2))["global_step"] == 2
-    with pytest.raises(RuntimeError):  # and it really is torn
+    with pytest.raises((RuntimeError, OSError)):  # and it really is torn (which error depends on where it tore)
         load_ckpt(tmp4)
     before = steps(run_dir)  # steps 1..4 were trained before the kill
     assert [r["step"] for r in before] == [1, 2, 3, 4]
