@@ -200,18 +200,7 @@ def test_sigkill_mid_checkpoint_write_keeps_previous_and_resume_is_exact(demo, t
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "target",
-    [
-        "main",
-        pytest.param(
-            "group",
-            marks=pytest.mark.xfail(
-                strict=True, reason="open gap: SIGTERM kills the DataLoader workers, the preemption save then fails"
-            ),
-        ),
-    ],
-)
+@pytest.mark.parametrize("target", ["main", "group"])
 def test_sigterm_saves_a_checkpoint_and_exits_cleanly(demo, tmp_path, target):
     """``main``: ``kill <pid>`` of a run without workers. ``group``: SIGTERM to every process of the run, its
     DataLoader worker included, as SLURM preemption / ``scancel`` deliver it to a job step."""

@@ -44,6 +44,7 @@ from nanovlm.data.producer import PackProducer, PlannedPack, Skip
 from nanovlm.data.reader import ShardReader
 from nanovlm.data.shards import EpochPlan, PackSpec, SampleTable, Segment, Topology, build_epoch_plan
 from nanovlm.data.tokenizer import load_tokenizer, tokenizer_fingerprint
+from nanovlm.data.worker_signals import shield_from_preemption
 
 log = logging.getLogger(__name__)
 STATE_VERSION = 1
@@ -212,6 +213,11 @@ class _PackStream(IterableDataset):
         finally:
             producer.close()
             reader.close()
+
+
+def _init_worker(worker_id: int) -> None:
+    """Workers outlive a preemption SIGTERM sent to the whole job so the trainer can save (worker_signals)."""
+    shield_from_preemption()
 
 
 class _TimedDataLoader(DataLoader):
@@ -409,6 +415,7 @@ class PackedMultimodalDataModule(L.LightningDataModule):
             prefetch_factor=1 if nw else None,  # the producer's queue already buffers ahead
             # validation reuses its workers: torch joins exhausted workers only after their 5 s poll timeout
             persistent_workers=persistent and nw > 0,
+            worker_init_fn=_init_worker,
         )
         dl.wait_sink = self._wait
         return dl
