@@ -155,20 +155,35 @@ def test_kill_9_mid_run_resumes_from_last_checkpoint(small_demo, single_referenc
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_sigterm_under_ddp_saves_on_all_ranks_and_exits_cleanly(small_demo, tmp_path):
-    """SIGTERM to rank 0 only (as `kill <pid>` does): every rank stops at the same step after one checkpoint."""
+@pytest.mark.parametrize("target", ["rank0", "group"])
+def test_sigterm_under_ddp_saves_on_all_ranks_and_exits_cleanly(small_demo, tmp_path, target):
+    """``rank0``: SIGTERM to rank 0 only (as `kill <pid>` does). ``group``: SIGTERM to every process of the job,
+    both ranks and their DataLoader workers (as SLURM preemption / `scancel` deliver it). Either way every rank
+    stops at the same step after one checkpoint."""
     run_dir = tmp_path / "term"
     extra = ["trainer.max_steps=200", "trainer.devices=2", "trainer.strategy=ddp", "checkpoint.every_n_steps=0"]
     proc = subprocess.Popen(
-        train_cmd(small_demo, run_dir, *extra), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        train_cmd(small_demo, run_dir, *extra),
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,  # its own process group: a group kill reaches ranks and workers, not pytest
     )
     deadline = time.time() + TIMEOUT
     trace = run_dir / "steps.jsonl"
     while not (trace.is_file() and len(trace.read_text().splitlines()) >= 2):
         assert proc.poll() is None and time.time() < deadline, "training did not start"
         time.sleep(0.1)
-    proc.send_signal(signal.SIGTERM)
-    out, _ = proc.communicate(timeout=TIMEOUT)
+    if target == "group":
+        os.killpg(proc.pid, signal.SIGTERM)
+    else:
+        proc.send_signal(signal.SIGTERM)
+    try:
+        out, _ = proc.communicate(timeout=TIMEOUT)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 0, out[-3000:]
     assert "signal received: saved" in out and "Run the same command again to resume" in out
     ckpts = list_checkpoints(run_dir / "checkpoints")
