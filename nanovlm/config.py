@@ -93,8 +93,8 @@ class DataConfig:
     packing: str = "packed"  # packed | pad_to_longest | constrained (the last two are baselines)
     batch_size: int = 8  # samples per batch for the padded baselines (packed mode always yields one pack)
     pad_cutoff: int = 0  # constrained padding: samples above this are truncated/dropped; 0 = max_tokens
-    lookahead: int = 64  # packer lookahead buffer (samples) for online best-fit
-    max_carry: int = 8  # a sample left over this many packs is forced into the next pack (bounded wait)
+    lookahead: int = 64  # packer lookahead buffer (samples): candidates for each pack's subset-sum fill
+    max_carry: int = 8  # a sample left over this many packs is overdue: packs start with the oldest overdue one
     shuffle_buffer: int = 256  # bounded sample shuffle window within the epoch order
     num_workers: int = 2  # DataLoader workers per rank (0 = in the main process)
     queue_size: int = 4  # finished packs buffered by each producer (memory = queue_size x pack size)

@@ -86,7 +86,7 @@ def test_analyze_cli_writes_plots_and_summary(tmp_path, make_dataset, capsys):
         f"`data.max_tokens={report['recommended_max_tokens']} data.overlength={report['recommended_overlength']}`"
         in summary
     )
-    assert "pad to longest" in summary and "packing, online best-fit" in summary
+    assert "pad to longest" in summary and "packing, online packer" in summary
     assert "recommended: data.max_tokens=" in capsys.readouterr().out
 
 

@@ -33,13 +33,29 @@ def test_online_respects_budgets_and_places_every_item_once(max_tokens, max_imag
     assert sorted(res.skipped.get("overlength", [])) == [i for i, n in enumerate(lengths) if n > max_tokens]
 
 
-def test_online_small_example_is_best_fit():
-    # pack 1: largest first (6), then the largest that fits the 4 left (4); pack 2: 5, then 3, then 2
+def test_online_small_example_fills_largest_first():
+    # pack 1: 6 + 4 fills it exactly (larger items are preferred); pack 2: 5 + 3 + 2
     res = pack_online([6, 5, 4, 3, 2], [0] * 5, max_tokens=10, max_images=8, lookahead=5, max_carry=8)
     assert res.packs == [[0, 2], [1, 3, 4]]
     # equal lengths: the oldest goes first
     res = pack_online([5, 5, 5, 5, 5], [0] * 5, max_tokens=10, max_images=8, lookahead=5)
     assert res.packs == [[0, 1], [2, 3], [4]]
+
+
+def test_online_fills_packs_exactly_where_greedy_best_fit_cannot():
+    # greedy best fit: 5+4, 4+3+2, 2 (three packs); the subset-sum fill finds 4+4+2 and 5+3+2 (two full packs)
+    res = pack_online([3, 4, 2, 4, 5, 2], [0] * 6, max_tokens=10, max_images=8, lookahead=6)
+    assert res.packs == [[1, 3, 2], [4, 0, 5]]
+
+
+@pytest.mark.parametrize("max_tokens", [1024, 2048, 4096])
+def test_online_packs_reach_the_lower_bound(max_tokens):
+    """ceil(sum of lengths / budget) packs: no budget is left to a half-filled pack (greedy best fit leaves one
+    to seven extra packs here)."""
+    lengths, images = long_tailed(6000, seed=1)
+    res = pack_online(lengths, images, max_tokens, 64, lookahead=64, max_carry=8)
+    check_valid(res, lengths, images, max_tokens, 64)
+    assert len(res.packs) == -(-res.real_tokens() // max_tokens)
 
 
 def test_image_budget_binds():

@@ -2,7 +2,7 @@
 
 For each distribution x token budget ``L`` the strategies are
 
-- ``ours``: ``nanovlm.data.packing.pack_online`` (online best-fit, lookahead buffer, bounded carry-over);
+- ``ours``: ``nanovlm.data.packing.pack_online`` (online subset-sum fill over a lookahead buffer, bounded carry-over);
 - ``mmdp knapsack``: the balanced greedy knapsack of HF's mmdp / nanoVLM (``baselines.py``), with the
   buffer nanoVLM's ``train.py`` uses (8 packs) and the one the mmdp class defaults to (1024 packs), both with
   the published ``delta`` of 5 spare bins, plus the 8-pack buffer with ``delta`` 0 (a tuned variant);
@@ -47,7 +47,7 @@ def _from_pack_result(name: str, res: packing.PackResult, n_images, slots_fn: Ca
 
 def ours(ls: LengthSet, L: int, max_images: int, lookahead: int, max_carry: int) -> StepPlan:
     res = packing.pack_online(ls.lengths, ls.n_images, L, max_images, lookahead=lookahead, max_carry=max_carry)
-    plan = _from_pack_result("ours (online best-fit)", res, ls.n_images, lambda p: L)
+    plan = _from_pack_result("ours (online exact fill)", res, ls.n_images, lambda p: L)
     plan.notes = {"lookahead": lookahead, "max_carry": max_carry, "max_wait_packs": res.max_wait}
     return plan
 

@@ -9,7 +9,7 @@ Definitions (for a token budget ``L`` = data.max_tokens and padded batches of ``
 * pad-to-longest: each batch is padded to its longest sample, no cutoff. waste = pad / slots.
 * constrained padding: the same with lengths capped at a cutoff (= L); longer samples are truncated (tokens
   lost) or dropped (samples lost).
-* packing: samples concatenated into [1, L] packs by online best-fit (what training does); waste = empty
+* packing: samples concatenated into [1, L] packs by the online packer (what training does); waste = empty
   slots / slots. The offline first-fit-decreasing optimum is reported as the reference.
 """
 
@@ -67,7 +67,7 @@ class WasteReport:
     constrained: float  # wasted fraction of slots (truncate variant)
     constrained_truncated_samples: int
     constrained_lost_tokens: float  # fraction of real tokens cut by truncation
-    packing: float  # wasted fraction of slots, online best-fit (as in training)
+    packing: float  # wasted fraction of slots, online packer (as in training)
     packing_ffd: float  # offline first-fit-decreasing reference
     over_budget: int  # samples longer than the budget (dropped with overlength=drop), in the full dataset
     over_budget_tokens: float  # fraction of all tokens in those samples
@@ -156,7 +156,7 @@ def recommend(
     cap: int = 16384,
 ) -> Recommendation:
     """The smallest nice budget that keeps ``keep_quantile`` % of samples whole and fits
-    ``min_samples_per_pack`` median samples (so best-fit has enough small items to fill packs), at most ``cap``
+    ``min_samples_per_pack`` median samples (so the packer has enough small items to fill packs), at most ``cap``
     (what activation memory allows). Past the cap, the long tail is truncated rather than dropped when it is
     more than 0.5% of the data."""
     if stats.num_samples == 0:
@@ -171,7 +171,7 @@ def recommend(
     reasons = [
         f"p{keep_quantile:g} of total tokens is {q:.0f}: a budget at or above it keeps {keep_quantile:g}% of samples whole",
         f"median sample is {med:.0f} tokens: {min_samples_per_pack} median samples need {min_samples_per_pack * med:.0f}; "
-        "packs of many small samples fill to ~99% with online best-fit",
+        "packs of many small samples fill to ~99% or more with the online packer",
         f"rounded up to {wanted}"
         + (f", capped at {cap} (memory)" if wanted > cap else "")
         + f": {over} samples ({frac:.3%}) are longer (max {p['max']:.0f})",
@@ -329,7 +329,7 @@ def write_report(
         f"| pad to longest (batches of {batch_size}) | {w.pad_to_longest:.1%} | 0 | 0 |",
         f"| constrained padding, truncate at {budget} | {w.constrained:.1%} | 0 ({w.constrained_truncated_samples} truncated) | {w.constrained_lost_tokens:.2%} |",
         f"| constrained padding, drop above {budget} | - | {w.over_budget} | {w.over_budget_tokens:.2%} |",
-        f"| packing, online best-fit (training) | {w.packing:.1%} | {w.over_budget} (overlength=drop) | {w.over_budget_tokens:.2%} |",
+        f"| packing, online packer (training) | {w.packing:.1%} | {w.over_budget} (overlength=drop) | {w.over_budget_tokens:.2%} |",
         f"| packing, offline FFD reference | {w.packing_ffd:.1%} | {w.over_budget} | {w.over_budget_tokens:.2%} |",
         "",
     ]

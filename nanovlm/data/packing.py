@@ -4,11 +4,13 @@ A *pack* is a list of item indices whose lengths fit one training sequence of ``
 images fit the vision budget ``max_images``. Fill = real tokens / slots.
 
 ``pack_online`` is what training uses. It is online (it sees the stream through a bounded lookahead buffer, so
-it runs in one pass, in O(N log lookahead), and its output depends only on the order it is given) and it
-carries items that do not fit the current pack over to later packs instead of flushing the whole buffer, which
-would leave a half-empty tail pack every ``lookahead`` items. The carry-over is bounded in age: an item that
-has waited ``max_carry`` packs is placed first into the next pack, so no item waits forever and the reader
-that assembles packs never holds more than ``lookahead`` + a few packs of samples.
+it runs in one pass and its output depends only on the order it is given) and it carries items that do not fit
+the current pack over to later packs instead of flushing the whole buffer, which would leave a half-empty tail
+pack every ``lookahead`` items. Each pack is filled by an exact subset-sum search over the buffer (a bitset
+dynamic program: the most tokens that fit, often exactly ``max_tokens``), which is what closes the last percent
+that greedy best-fit leaves (measured by ``scripts/benchmark.py --sections packing``). The carry-over is bounded
+in age: an item that has waited ``max_carry`` packs is overdue; every pack starts with the oldest overdue item
+and prefers overdue items in its search, so no item waits more than ``max_carry + lookahead`` packs.
 
 ``ffd_reference`` (offline first-fit-decreasing over everything, same two budgets) is the practical optimum
 that fill is measured against; ``pad_to_longest`` and ``constrained`` are the padded baselines.
@@ -71,6 +73,30 @@ def _effective(
     return eff, skipped, truncated
 
 
+def _subset_fill(candidates: list[tuple[int, int]], room: int) -> list[int]:
+    """Indices of a subset of ``candidates`` ((length, index) pairs) with the largest total <= ``room``.
+
+    Bitset dynamic program: bit s of ``reach`` is set when some subset of the candidates seen so far sums to s.
+    It stops at the first candidate that makes ``room`` reachable. Walking back, a candidate is left out
+    whenever the sum stays reachable without it, so the ones listed first are the most likely to be chosen.
+    """
+    mask = (1 << (room + 1)) - 1
+    reach = 1
+    before: list[int] = []  # reach before each candidate, for the walk back
+    for n, _ in candidates:
+        before.append(reach)
+        reach = (reach | (reach << n)) & mask
+        if reach >> room & 1:
+            break
+    total = reach.bit_length() - 1
+    chosen = []
+    for (n, i), prev in zip(reversed(candidates[: len(before)]), reversed(before)):
+        if not prev >> total & 1:
+            chosen.append(i)
+            total -= n
+    return chosen[::-1]  # in candidate order
+
+
 def pack_online(
     lengths: Sequence[int],
     n_images: Sequence[int],
@@ -80,12 +106,13 @@ def pack_online(
     max_carry: int = 8,
     overlength: str = "drop",
 ) -> PackResult:
-    """Online best-fit packing over a lookahead buffer, with bounded carry-over.
+    """Online packing over a lookahead buffer: exact subset-sum fill, bounded carry-over.
 
-    The buffer holds the next ``lookahead`` valid items of the stream (refilled after every placement). A pack
-    is built by (1) placing, in arrival order, buffered items that have already waited ``max_carry`` packs,
-    then (2) repeatedly placing the largest buffered item that still fits both budgets (oldest first among
-    equal lengths). It is emitted when no buffered item fits. Every valid item ends in exactly one pack.
+    The buffer holds the next ``lookahead`` valid items of the stream. A pack is built by (1) placing the oldest
+    overdue item (one that has waited ``max_carry`` packs), (2) choosing, among the buffered items that fit, a
+    subset with the most tokens (``_subset_fill``; overdue items first, then the larger ones, oldest first among
+    equals), skipped if that subset would exceed the image budget, then (3) refilling the buffer and topping up
+    with the largest item that still fits both budgets until none does. Every valid item ends in exactly one pack.
     """
     if max_tokens <= 0 or max_images < 0 or lookahead <= 0 or max_carry < 0:
         raise ValueError("max_tokens and lookahead must be positive, max_images and max_carry non-negative")
@@ -123,20 +150,25 @@ def pack_online(
         if not entered:
             break
         pack: list[int] = []
-        tokens = images = 0
-        # (1) items that waited too long go first, oldest first
-        while arrival:
-            i = arrival[0]
-            if i not in entered:
-                arrival.popleft()
-                continue
-            if len(packs) - entered[i] < max_carry or tokens + eff[i] > max_tokens or images + imgs[i] > max_images:
-                break
+        # (1) the oldest overdue item goes first (it always fits an empty pack)
+        while arrival and arrival[0] not in entered:
             arrival.popleft()
-            take(i, pack)
-            tokens += eff[i]
-            images += imgs[i]
-        # (2) best fit: the largest buffered item that fits what is left
+        if arrival and len(packs) - entered[arrival[0]] >= max_carry:
+            take(arrival.popleft(), pack)
+        tokens = sum(eff[i] for i in pack)
+        images = sum(imgs[i] for i in pack)
+        # (2) the subset of the buffer with the most tokens that fit, overdue items first, then larger ones
+        room = max_tokens - tokens
+        n_packs = len(packs)
+        candidates = [(n, -neg) for n, neg in reversed(buf) if n <= room]  # largest first, oldest first
+        candidates.sort(key=lambda c: n_packs - entered[c[1]] < max_carry)  # stable: overdue ones to the front
+        chosen = _subset_fill(candidates, room) if candidates else []
+        if images + sum(imgs[i] for i in chosen) <= max_images:
+            for i in chosen:
+                take(i, pack)
+                tokens += eff[i]
+                images += imgs[i]
+        # (3) best fit from the refilled buffer: the largest item that fits what is left
         while True:
             refill()
             room, img_room = max_tokens - tokens, max_images - images
