@@ -105,8 +105,16 @@ def resize_image(img: Image.Image, size: int, mode: str = "squash") -> Image.Ima
 
 def image_to_tensor(img: Image.Image) -> torch.Tensor:
     """RGB PIL image -> uint8 tensor [3, H, W] (normalisation happens on the device, in the model)."""
-    arr = np.asarray(img, dtype=np.uint8)  # [H, W, 3]
-    return torch.from_numpy(arr.copy()).permute(2, 0, 1).contiguous()
+    return images_to_tensor([img])[0]
+
+
+def images_to_tensor(images: list[Image.Image]) -> torch.Tensor:
+    """Same-size RGB PIL images -> one contiguous uint8 tensor [n, 3, H, W].
+
+    One numpy stack and one transposing copy for all images: per-image torch calls (from_numpy, permute,
+    contiguous, then a stack) cost more than the copy itself at VLM image sizes."""
+    hwc = np.stack([np.asarray(img, dtype=np.uint8) for img in images])  # [n, H, W, 3]
+    return torch.from_numpy(np.ascontiguousarray(hwc.transpose(0, 3, 1, 2)))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -214,8 +222,12 @@ class SampleProcessor:
 
     def image(self, data: bytes, key: str = "") -> torch.Tensor:
         """Image bytes -> uint8 [3, image_size, image_size]."""
+        return images_to_tensor([self._pil_image(data, key)])[0]
+
+    def _pil_image(self, data: bytes, key: str) -> Image.Image:
+        """Image bytes -> decoded RGB PIL image resized to image_size x image_size."""
         img = decode_image(data, self.max_image_pixels, draft_size=self.image_size, key=key)
-        return image_to_tensor(resize_image(img, self.image_size, self.resize))
+        return resize_image(img, self.image_size, self.resize)
 
     def process(self, record: Record, max_tokens: int | None = None, overlength: str = "drop") -> ProcessedSample:
         """Record -> ProcessedSample. Raises SampleError for bad images, placeholder mismatch and over-length.
@@ -256,13 +268,13 @@ class SampleProcessor:
                 raise SampleError("overlength", record.key, f"no answer token left after truncation to {max_tokens}")
         size = self.image_size
         if n_images:
-            pixels = torch.stack([self.image(b, record.key) for b in record.images[:n_images]])
+            pixels = images_to_tensor([self._pil_image(b, record.key) for b in record.images[:n_images]])
         else:
             pixels = torch.zeros(0, 3, size, size, dtype=torch.uint8)
         return ProcessedSample(
             key=record.key,
-            input_ids=torch.tensor(ids, dtype=torch.long),
-            labels=torch.tensor(labels, dtype=torch.long),
+            input_ids=torch.from_numpy(np.array(ids, dtype=np.int64)),  # 3x faster than torch.tensor(list)
+            labels=torch.from_numpy(np.array(labels, dtype=np.int64)),
             pixel_values=pixels,
             truncated=truncated,
         )
