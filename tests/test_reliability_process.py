@@ -234,18 +234,21 @@ def test_sigterm_saves_a_checkpoint_and_exits_cleanly(demo, tmp_path, target):
 # the producer fails mid-epoch
 
 
-def _key_read_at(data: Path, position: int) -> str:
-    """The key of the sample at ``position`` of the tiny run's epoch-0 read order (same config, same plan).
+def _key_in_pack(data: Path, k: int) -> str:
+    """The key of the last-read sample of pack ``k`` of the tiny run's epoch 0 (same config, same plan; one
+    slot, as ``data.num_workers=0``).
 
-    The producer reads samples in this order, a window ahead of the packs it assembles, so a failure on this
-    sample stops the run about ``position - data.lookahead`` samples into the epoch."""
+    The producer reads samples in epoch order a window (``data.lookahead`` samples) ahead of the packs it
+    assembles, so a failure on this sample stops the run a few packs before pack ``k``."""
     from nanovlm.config import load_config
     from nanovlm.data.datamodule import PackedMultimodalDataModule
 
     cfg = load_config(["tiny_cpu.yaml"], overrides(data, data / "unused"))
     dm = PackedMultimodalDataModule(cfg.data, cfg.model)
     dm.setup("fit")
-    return dm.table.keys[int(dm.current_plan().order[position])]
+    plan = dm.current_plan()
+    positions = plan.pack(0, k)
+    return dm.table.keys[int(plan.order[positions.max()])]
 
 
 def _copy_dataset(src: Path, dst: Path) -> Path:
@@ -257,7 +260,7 @@ def _copy_dataset(src: Path, dst: Path) -> Path:
 
 def test_producer_failure_stops_the_run_naming_the_sample_and_keeps_checkpoints(demo, tmp_path):
     train = _copy_dataset(demo / "train", tmp_path / "train")
-    key = _key_read_at(demo, 52)  # read after ~20 samples (~6 steps) of training
+    key = _key_in_pack(demo, 8)  # read about 6 steps into training
     index = json.loads((train / "index.json").read_text())
     shard = next(i for i, s in enumerate(index["shards"]) if key in s["keys"])
 
