@@ -123,12 +123,24 @@ class ModeRunner:
     elsewhere on the machine hits every mode alike instead of one mode's whole measurement.
     """
 
-    def __init__(self, name: str, cfg: Config, tokenizer, batches: list[dict], device: torch.device, seed: int):
+    def __init__(
+        self,
+        name: str,
+        cfg: Config,
+        tokenizer,
+        batches: list[dict],
+        device: torch.device,
+        seed: int,
+        compile_blocks: bool = False,
+    ):
         from nanovlm.model import build_model
+        from nanovlm.train.strategies import apply_compile
 
         self.name, self.batches, self.device = name, batches, device
         torch.manual_seed(seed)
         self.model = build_model(cfg.model, tokenizer).to(device)
+        if compile_blocks:  # as trainer.compile does; compilation happens in the (untimed) warm-up
+            apply_compile(self.model)
         self.model.train()
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4, fused=device.type == "cuda")
         self.dev_batches = [_to(b, device) for b in batches]
@@ -302,7 +314,7 @@ def run(args: argparse.Namespace, log=print) -> tuple[dict[str, Any], str]:
     backend = cfg.model.attn_backend
     vocab = resolve_vocab_size(cfg.model, tokenizer)
     runners = [
-        ModeRunner(m, cfg, tokenizer, batches[m], device, args.seed)
+        ModeRunner(m, cfg, tokenizer, batches[m], device, args.seed, args.compile)
         for m in ("packed", "pad_to_longest", "constrained")
     ]
     backends: list[dict[str, Any]] = []
@@ -315,7 +327,9 @@ def run(args: argparse.Namespace, log=print) -> tuple[dict[str, Any], str]:
                 backends.append({"backend": name, "unavailable": str(e).splitlines()[0]})
                 continue
             cfg.model.attn_backend = name
-            runners.append(ModeRunner(f"packed/{name}", cfg, tokenizer, batches["packed"], device, args.seed))
+            runners.append(
+                ModeRunner(f"packed/{name}", cfg, tokenizer, batches["packed"], device, args.seed, args.compile)
+            )
             backends.append({"backend": name})
         cfg.model.attn_backend = backend
     run_interleaved(runners, reps, warmup, log)
@@ -348,7 +362,8 @@ def run(args: argparse.Namespace, log=print) -> tuple[dict[str, Any], str]:
     md = ["## Training throughput", ""]
     md.append(
         f"Model: {params / 1e6:.1f}M parameters ({preset or (args.config or ['tiny_cpu.yaml'])[-1]}, "
-        f"attention backend {backend}), device {device}, L = {cfg.data.max_tokens}, {layout['samples']} samples; "
+        f"attention backend {backend}{', blocks compiled' if args.compile else ''}), device {device}, "
+        f"L = {cfg.data.max_tokens}, {layout['samples']} samples; "
         f"padded modes use B = {layout['batch_size']}, constrained cutoff {layout['cutoff']}. Tokens/s: median "
         f"[min-max] of {reps} passes (modes interleaved) after {warmup} warm-up steps; step times pooled over all "
         "passes; peak memory: above the resting level (activations, gradients, temporaries)."

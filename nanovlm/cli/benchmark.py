@@ -52,6 +52,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--backends", default="", help="attention backends to compare on cuda, e.g. sdpa,torch_varlen,flash_attn"
     )
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="torch.compile each transformer block (trainer.compile) in the train section",
+    )
     p.add_argument("--workdir", default="runs/bench", help="scratch directory (demo data copies, checkpoints)")
     p.add_argument("--seed", type=int, default=0)
     return p
