@@ -168,8 +168,11 @@ def test_quick_all_sections(tmp_path, make_dataset, tiny_tokenizer):
     assert [b["workers"] for b in pipe["by_workers"]] == [0, 1, 2]
     assert set(pipe["stage_breakdown"]["us_per_sample"]) == {"read", "decode", "tokenize", "pack"}
     train = doc["sections"]["train"]
-    assert set(train["modes"]) == {"packed", "pad_to_longest", "constrained"}
+    layouts = {"packed", "pad_to_longest", "constrained"}
+    assert set(train["modes"]) == layouts | {"packed (decoder only)", "pad_to_longest (decoder only)"}
     assert train["modes"]["packed"]["fill"] > train["modes"]["pad_to_longest"]["fill"]
+    assert train["modes"]["packed (decoder only)"]["fill"] == train["modes"]["packed"]["fill"]  # same batches
+    assert set(train["ratio_check"]["decoder_only"]) == {"actual_ratio", "fraction_of_ideal"}
     resume = doc["sections"]["resume"]["results"]
     assert [resume[k]["position"] for k in ("fresh", "early", "mid", "late")][0] == 0
 

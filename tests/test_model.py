@@ -129,6 +129,21 @@ def test_padded_batch_equals_alone():
             torch.testing.assert_close(out["logits"][i, :n], model(alone(s))["logits"][0], atol=2e-5, rtol=1e-5)
 
 
+def test_precomputed_inputs_embeds_give_the_same_loss_and_skip_the_vision_path():
+    model, items = make_model(), samples()
+    batch = pack(items)
+    want = model(batch)
+    with torch.no_grad():
+        embeds = model.embed(batch["input_ids"], batch["pixel_values"])
+    model.zero_grad()
+    got = model(batch | {"inputs_embeds": embeds, "pixel_values": None})
+    assert torch.equal(got["logits"], want["logits"]) and torch.equal(got["loss"], want["loss"])
+    got["loss"].backward()
+    vision = [*model.vision.parameters(), *model.projector.parameters()]
+    assert all(p.grad is None for p in vision)  # cached features: the encoder is not run
+    assert all(p.grad is not None for p in model.language.layers.parameters())
+
+
 def test_placeholder_image_mismatch_names_the_sample():
     model, items = make_model(), samples()
     packed = pack(items)

@@ -129,6 +129,8 @@ class NanoVLM(nn.Module):
 
         labels are unshifted: logits[:, :-1] predict labels[:, 1:]. loss is the mean cross-entropy over labels
         != -100; a batch without any loss token gives a zero loss that is still part of the graph.
+        An optional ``inputs_embeds`` [B, T, hidden] replaces ``embed`` (token embeddings with the projected
+        images in place): the vision path is then skipped, e.g. for features cached from a frozen encoder.
         """
         input_ids = batch["input_ids"]
         cu_seqlens = batch.get("cu_seqlens")
@@ -144,7 +146,9 @@ class NanoVLM(nn.Module):
         max_seqlen = batch.get("max_seqlen")
         if cu_seqlens is not None and max_seqlen is None:
             max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
-        embeds = self.embed(input_ids, batch.get("pixel_values"), batch.get("sample_keys"), cu_seqlens)
+        embeds = batch.get("inputs_embeds")  # precomputed [B, T, hidden] (e.g. cached frozen-vision features)
+        if embeds is None:
+            embeds = self.embed(input_ids, batch.get("pixel_values"), batch.get("sample_keys"), cu_seqlens)
         logits = self.language(
             embeds, position_ids, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, attention_mask=attention_mask
         )
