@@ -325,15 +325,16 @@ def run(args: argparse.Namespace, log=print) -> tuple[dict[str, Any], str]:
     warmup = max(len(v) for v in batches.values()) if device.type == "cuda" else (2 if quick else 3)
     backend = cfg.model.attn_backend
     vocab = resolve_vocab_size(cfg.model, tokenizer)
-    runners = [
+    layouts = [
         ModeRunner(m, cfg, tokenizer, batches[m], device, args.seed, args.compile)
         for m in ("packed", "pad_to_longest", "constrained")
     ]
     # One factor at a time, again: the images encoded once beforehand, so that the layout is the only difference
-    runners += [
+    layouts += [
         ModeRunner(f"{m} (decoder only)", cfg, tokenizer, batches[m], device, args.seed, args.compile, True)
         for m in ("packed", "pad_to_longest")
     ]
+    runners = list(layouts)
     backends: list[dict[str, Any]] = []
     if device.type == "cuda" or args.backends:
         names = [b for b in (args.backends or "sdpa,torch_varlen,flash_attn").split(",") if b]
@@ -350,7 +351,7 @@ def run(args: argparse.Namespace, log=print) -> tuple[dict[str, Any], str]:
             backends.append({"backend": name})
         cfg.model.attn_backend = backend
     run_interleaved(runners, reps, warmup, log)
-    results = {r.name: r.result() for r in runners[:5]}
+    results = {r.name: r.result() for r in layouts}
     by_name = {r.name: r for r in runners}
     for b in backends:
         if "unavailable" not in b:

@@ -153,10 +153,11 @@ def pack_online(
         # (1) the oldest overdue item goes first (it always fits an empty pack)
         while arrival and arrival[0] not in entered:
             arrival.popleft()
+        tokens = images = 0
         if arrival and len(packs) - entered[arrival[0]] >= max_carry:
-            take(arrival.popleft(), pack)
-        tokens = sum(eff[i] for i in pack)
-        images = sum(imgs[i] for i in pack)
+            i = arrival.popleft()
+            take(i, pack)
+            tokens, images = eff[i], imgs[i]
         # (2) the subset of the buffer with the most tokens that fit, overdue items first, then larger ones
         room = max_tokens - tokens
         n_packs = len(packs)

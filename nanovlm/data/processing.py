@@ -103,13 +103,8 @@ def resize_image(img: Image.Image, size: int, mode: str = "squash") -> Image.Ima
     raise ValueError(f"unknown resize mode {mode!r}; choose squash or letterbox")
 
 
-def image_to_tensor(img: Image.Image) -> torch.Tensor:
-    """RGB PIL image -> uint8 tensor [3, H, W] (normalisation happens on the device, in the model)."""
-    return images_to_tensor([img])[0]
-
-
 def images_to_tensor(images: list[Image.Image]) -> torch.Tensor:
-    """Same-size RGB PIL images -> one contiguous uint8 tensor [n, 3, H, W].
+    """Same-size RGB PIL images -> one contiguous uint8 tensor [n, 3, H, W] (normalised later, on the device).
 
     One numpy stack and one transposing copy for all images: per-image torch calls (from_numpy, permute,
     contiguous, then a stack) cost more than the copy itself at VLM image sizes."""

@@ -3,7 +3,7 @@
 SLURM preemption and ``scancel`` send SIGTERM to every process of a job step, DataLoader workers included.
 A worker dies of it at once; torch's SIGCHLD check then raises in the training process, in the middle of the
 preemption checkpoint it is writing. So workers hand the signal to the trainer instead: they block SIGTERM
-and a small thread waits for it with ``sigwaitinfo``, which also tells who sent it.
+and a small thread waits for it with ``sigtimedwait``, which also tells who sent it.
 
 - sent by the worker's parent (torch's DataLoader ending a worker that did not stop in time, or
   multiprocessing's exit handler): die of it at once, as an unshielded worker would;
