@@ -195,3 +195,23 @@ def test_reader_fast_path_matches_tarfile(tmp_path, make_dataset):
         finally:
             reader._fast_members = orig
         assert reader._fast_members(part[:-512]) is None  # truncated: left to the tarfile path and its checks
+
+
+def test_reader_fast_path_rejects_every_single_byte_header_corruption(tmp_path, make_dataset):
+    """The fast parser's checksum (a C-speed byte sum modulo 65521) catches a change of any header byte, as the
+    plain byte sum does: the damaged sample goes to the tarfile path, which reports it."""
+    import nanovlm.data.reader as reader
+
+    idx = make_dataset(tmp_path / "ds", 2, samples_per_shard=2)
+    sh = idx.shards[0]
+    part = idx.shard_path(sh).read_bytes()[sh.offsets[0] : sh.offsets[0] + sh.nbytes[0]]
+    good = reader._fast_members(part)
+    assert good is not None
+    for pos in range(512):
+        for delta in (1, 0x80, 0xFF):
+            bad = bytearray(part)
+            bad[pos] = (bad[pos] + delta) % 256
+            if 148 <= pos < 156:  # the stored checksum itself: the value changes, or stops parsing
+                assert reader._fast_members(bytes(bad)) in (None, good), pos
+            else:
+                assert reader._fast_members(bytes(bad)) is None, (pos, delta)

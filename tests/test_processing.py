@@ -57,6 +57,27 @@ def test_chatml_ids_and_labels_exact(proc, tiny_tokenizer):
     assert s.pixel_values[0, 0].min() == 255 and s.pixel_values[0, 1:].max() == 0
 
 
+def test_cached_piece_encodings_equal_fresh_ones_and_the_cache_is_bounded(tiny_tokenizer, monkeypatch):
+    """Repeated prompts come from the piece cache: ids identical to a tokenizer call, long pieces never
+    cached, and the cache stops growing at CACHED_PIECES entries."""
+    import nanovlm.data.processing as processing
+
+    monkeypatch.setattr(processing, "CACHED_PIECES", 5)
+    cached = SampleProcessor(tiny_tokenizer, image_size=8, image_token_count=IMG_TOKENS)
+    long_text = "a long answer " * 40  # > CACHED_PIECE_CHARS
+    convs = [conv("what colour? <|im_end|>", "red")] + [conv(f"shape {i}?", "square") for i in range(8)]
+    convs += [conv("what colour? <|im_end|>", long_text), conv("what colour? <|im_end|>", "red")]
+    for msgs in convs:
+        got = cached.encode(msgs)
+        monkeypatch.setattr(processing, "CACHED_PIECES", 0)  # a processor that never caches
+        fresh = SampleProcessor(tiny_tokenizer, image_size=8, image_token_count=IMG_TOKENS)
+        assert got == fresh.encode(msgs)
+        assert fresh._piece_ids == {}
+        monkeypatch.setattr(processing, "CACHED_PIECES", 5)
+    assert len(cached._piece_ids) == 5
+    assert long_text not in cached._piece_ids
+
+
 def test_prompt_ids_end_with_assistant_header(proc, tiny_tokenizer):
     msgs = conv("<image>what?", "x")[:1]
     ids = proc.prompt_ids(msgs)

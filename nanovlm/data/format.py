@@ -75,17 +75,23 @@ def validate_messages(messages: Any, n_images: int, key: str = "") -> list[dict]
     if not isinstance(messages, list):
         raise SampleError("missing_messages", key, "'messages' must be a list of {role, content}")
     clean = []
-    for m in messages:
+    has_text = has_answer = False
+    n_placeholders = 0
+    for m in messages:  # one pass: this runs for every sample read in training
         if not isinstance(m, dict) or not isinstance(m.get("content"), str) or not isinstance(m.get("role"), str):
             raise SampleError("missing_messages", key, f"bad message {str(m)[:80]!r}")
-        if m["role"] not in ROLES:
-            raise SampleError("bad_role", key, f"role {m['role']!r} is not one of {ROLES}")
-        clean.append({"role": m["role"], "content": m["content"]})
-    if not any(m["content"].strip() for m in clean):
+        role, content = m["role"], m["content"]
+        if role not in ROLES:
+            raise SampleError("bad_role", key, f"role {role!r} is not one of {ROLES}")
+        if content.strip():
+            has_text = True
+            has_answer = has_answer or role == "assistant"
+        n_placeholders += content.count(IMAGE_PLACEHOLDER)
+        clean.append({"role": role, "content": content})
+    if not has_text:
         raise SampleError("empty_conversation", key)
-    if not any(m["role"] == "assistant" and m["content"].strip() for m in clean):
+    if not has_answer:
         raise SampleError("no_assistant_turn", key)
-    n_placeholders = sum(m["content"].count(IMAGE_PLACEHOLDER) for m in clean)
     if n_placeholders != n_images:
         raise SampleError("image_count_mismatch", key, f"{n_placeholders} <image> placeholders, {n_images} images")
     return clean

@@ -29,6 +29,8 @@ from nanovlm.data.tokenizer import IM_END, IM_START, IMAGE_TOKEN
 
 IGNORE_INDEX = -100
 LETTERBOX_FILL = (128, 128, 128)  # ~the normalisation mean, so padding is ~0 after normalisation
+CACHED_PIECES = 4096  # text pieces whose token ids are kept (see SampleProcessor._encode_text)
+CACHED_PIECE_CHARS = 256  # longer pieces are rarely repeated: always tokenized
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -59,7 +61,7 @@ def decode_image(data: bytes, max_pixels: int = 0, draft_size: int = 0, key: str
     except Exception as e:  # PIL raises many types (OSError, ValueError, SyntaxError, struct.error, ...)
         raise SampleError("unreadable_image", key, describe_error(e)) from None
     with contextlib.suppress(Exception):  # a corrupt EXIF block must not cost an otherwise readable image
-        img = ImageOps.exif_transpose(img)
+        ImageOps.exif_transpose(img, in_place=True)  # in place: no copy of the (usual) upright image
     return to_rgb(img)
 
 
@@ -157,11 +159,23 @@ class SampleProcessor:
                 f"tokenizer lacks special tokens {missing}; load it with nanovlm.data.tokenizer.load_tokenizer"
             )
         self.im_start_id, self.im_end_id, self.image_token_id = ids[IM_START], ids[IM_END], ids[IMAGE_TOKEN]
+        # Prompts repeat across a dataset ("Describe the image.", the demo's questions): one tokenizer call
+        # costs ~20 us, a dict hit well under 1. Short pieces only, and the first CACHED_PIECES distinct ones
+        # (a plain dict: picklable, no eviction work), so memory stays under ~4 MB.
+        self._piece_ids: dict[str, tuple[int, ...]] = {}
         self._newline = self._encode_text("\n")
         self._headers: dict[str, list[int]] = {}
 
-    def _encode_text(self, text: str) -> list[int]:
-        return self._text.encode(text, add_special_tokens=False).ids if text else []
+    def _encode_text(self, text: str) -> tuple[int, ...]:
+        """Token ids of plain text (special-token strings inside it stay text)."""
+        if not text:
+            return ()
+        ids = self._piece_ids.get(text)
+        if ids is None:
+            ids = tuple(self._text.encode(text, add_special_tokens=False).ids)
+            if len(text) <= CACHED_PIECE_CHARS and len(self._piece_ids) < CACHED_PIECES:
+                self._piece_ids[text] = ids
+        return ids
 
     def _header(self, role: str) -> list[int]:
         if role not in self._headers:
