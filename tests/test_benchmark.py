@@ -172,7 +172,10 @@ def test_quick_all_sections(tmp_path, make_dataset, tiny_tokenizer):
     assert set(train["modes"]) == layouts | {"packed (decoder only)", "pad_to_longest (decoder only)"}
     assert train["modes"]["packed"]["fill"] > train["modes"]["pad_to_longest"]["fill"]
     assert train["modes"]["packed (decoder only)"]["fill"] == train["modes"]["packed"]["fill"]  # same batches
-    assert set(train["ratio_check"]["decoder_only"]) == {"actual_ratio", "fraction_of_ideal"}
+    check = train["ratio_check"]
+    assert set(check["decoder_only"]) == {"actual_ratio", "fraction_of_ideal", "paired_fraction_of_ideal"}
+    for paired in (check["paired_fraction_of_ideal"], check["decoder_only"]["paired_fraction_of_ideal"]):
+        assert paired["n"] == 2 and paired["min"] <= paired["median"] <= paired["max"]  # one ratio per pass
     resume = doc["sections"]["resume"]["results"]
     assert [resume[k]["position"] for k in ("fresh", "early", "mid", "late")][0] == 0
 
