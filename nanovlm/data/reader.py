@@ -30,8 +30,8 @@ def _checksum_ok(h: bytes) -> bool:
 
     ``sum(h)`` walks 512 Python ints (~4 us a header, most of this parser's time); ``zlib.adler32`` sums in C,
     and its low 16 bits are 1 + the byte sum mod 65521. A corruption fools the modulus only by moving the sum
-    (or the stored value) by a multiple of 65521: more than 256 changed bytes, or three changed digits of the
-    stored value. (Signed-sum headers of old tars fail here and go to ``tarfile``, which accepts them.)
+    (or the stored value) by a multiple of 65521: more than 256 changed bytes, or at least three changed digits
+    of the stored value. (Signed-sum headers of old tars fail here and go to ``tarfile``, which accepts them.)
     """
     stored = _octal(h[148:156])
     return ((zlib.adler32(h) & 0xFFFF) - 1 - sum(h[148:156]) + 256 - stored) % 65521 == 0
