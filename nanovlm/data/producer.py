@@ -16,10 +16,12 @@ uses a timeout, so nothing hangs at exit.
 
 from __future__ import annotations
 
+import atexit
 import heapq
 import queue
 import threading
 import traceback
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -61,6 +63,19 @@ class _Failure:
 
 
 _END = object()
+
+# Producers whose thread is running. Their threads are daemons (a forgotten iterator must not keep the process
+# alive), but at interpreter exit Python ends daemon threads wherever they are: one inside a file read keeps the
+# file's lock forever ("could not acquire lock ... at interpreter shutdown"), one inside a torch op aborts the
+# process ("terminate called without an active exception"). So at exit, before that, every live producer is
+# stopped and joined: a script that leaves a DataLoader iterator unfinished exits cleanly.
+_live: weakref.WeakSet[PackProducer] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_live_producers() -> None:
+    for producer in list(_live):
+        producer.close(timeout=5.0)
 
 
 class PackProducer:
@@ -175,6 +190,7 @@ class PackProducer:
         if self._started:
             raise RuntimeError("a PackProducer can be iterated only once")
         self._started = True
+        _live.add(self)
         self._thread.start()
         try:
             while True:
@@ -194,6 +210,7 @@ class PackProducer:
 
     def close(self, timeout: float = 10.0) -> None:
         """Stop the thread and wait for it (idempotent)."""
+        _live.discard(self)
         self._stop.set()
         while True:  # unblock a put in progress and free memory
             try:
