@@ -22,9 +22,12 @@ How it works (details in shards.py / producer.py):
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import dataclasses
 import logging
 import time
+import weakref
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -220,6 +223,21 @@ def _init_worker(worker_id: int) -> None:
     shield_from_preemption()
 
 
+# DataLoader iterators whose worker processes are running. One left unfinished at interpreter exit would have
+# its workers terminated by multiprocessing's exit handler, and torch's dead-worker check would then print
+# "DataLoader worker ... is killed by signal: Terminated" from inside that handler; shutting them down first, as
+# torch does when an iterator is closed, ends them quietly. (Registered after multiprocessing's handler, so it
+# runs before it.)
+_open_worker_iterators: weakref.WeakSet = weakref.WeakSet()
+
+
+@atexit.register
+def _shut_down_open_workers() -> None:
+    for it in list(_open_worker_iterators):
+        with contextlib.suppress(Exception):
+            it._shutdown_workers()
+
+
 class _TimedDataLoader(DataLoader):
     """A DataLoader that adds the time the caller waited for each batch to a telemetry sink."""
 
@@ -227,6 +245,8 @@ class _TimedDataLoader(DataLoader):
 
     def __iter__(self):  # type: ignore[override]
         it = super().__iter__()
+        if hasattr(it, "_shutdown_workers"):  # the multi-process iterator
+            _open_worker_iterators.add(it)
         sink = self.wait_sink
         while True:
             t0 = time.perf_counter()
