@@ -24,8 +24,6 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from nanovlm.bench.common import Stats, markdown_table, percentile
 from nanovlm.bench.workloads import bench_config, demo_dirs
 from nanovlm.config import Config, image_token_count
@@ -125,7 +123,7 @@ def stage_breakdown(cfg: Config, tokenizer, n_samples: int, reps: int) -> dict[s
     from nanovlm.data import packing
     from nanovlm.data.collate import collate_packed
     from nanovlm.data.format import SampleError, members_to_record
-    from nanovlm.data.processing import ProcessedSample, SampleProcessor
+    from nanovlm.data.processing import ProcessedSample, SampleProcessor, long_tensor
     from nanovlm.data.reader import ShardReader
 
     itc = image_token_count(cfg.model)
@@ -154,17 +152,12 @@ def stage_breakdown(cfg: Config, tokenizer, n_samples: int, reps: int) -> dict[s
                 continue
             t1 = time.perf_counter()
             try:
-                pix = [proc.image(b, key) for b in rec.images]
+                pixel_values = proc.images(rec.images, key)
             except SampleError:
                 continue
-            pixel_values = (
-                torch.stack(pix) if pix else torch.zeros(0, 3, proc.image_size, proc.image_size, dtype=torch.uint8)
-            )
             t2 = time.perf_counter()
             ids, labels = proc.encode(rec.messages)
-            s = ProcessedSample(
-                key, torch.tensor(ids, dtype=torch.long), torch.tensor(labels, dtype=torch.long), pixel_values
-            )
+            s = ProcessedSample(key, long_tensor(ids), long_tensor(labels), pixel_values)
             t3 = time.perf_counter()
             t["read"] += t1 - t0
             t["decode"] += t2 - t1

@@ -251,10 +251,19 @@ def run_interleaved(runners: list[ModeRunner], reps: int, warmup: int, log=print
             r.timed_pass()
 
 
-def _paired(a: ModeRunner, b: ModeRunner, ideal: float) -> dict[str, float]:
-    """Fraction of the ideal ratio pass by pass: pass i of ``a`` over pass i of ``b``, which ran right after
-    it, so a burst of load on the machine moves both and largely cancels (median and spread of the passes)."""
-    return Stats.of([x / y / ideal for x, y in zip(a.rates, b.rates)]).to_dict()
+def _layout_ratio(a: ModeRunner, b: ModeRunner, ideal: float) -> dict[str, Any] | None:
+    """``a``'s real tokens/s over ``b``'s (medians), as a fraction of ``ideal`` too; None when either failed.
+
+    Also pass by pass: pass i of ``a`` over pass i of ``b``, which ran right after it, so a burst of load on
+    the machine moves both and largely cancels (median and spread of the passes)."""
+    if not a.rates or not b.rates:
+        return None
+    actual = statistics.median(a.rates) / statistics.median(b.rates)
+    return {
+        "actual_ratio": actual,
+        "fraction_of_ideal": actual / ideal,
+        "paired_fraction_of_ideal": Stats.of([x / y / ideal for x, y in zip(a.rates, b.rates)]).to_dict(),
+    }
 
 
 def pass_flops(cfg: Config, vocab: int, batches: list[dict]) -> float:
@@ -367,29 +376,19 @@ def run(args: argparse.Namespace, log=print) -> tuple[dict[str, Any], str]:
     for res in [results["packed"], *[b for b in backends if "real_tokens_per_s" in b]]:
         if "real_tokens_per_s" in res:
             res["mfu"] = _mfu(cfg, vocab, batches["packed"], res["real_tokens_per_s"]["median"], device)
-    p, q = results["packed"], results["pad_to_longest"]
-    ideal = p["fill"] / q["fill"]
-    if "real_tokens_per_s" in p and "real_tokens_per_s" in q:
-        actual = p["real_tokens_per_s"]["median"] / q["real_tokens_per_s"]["median"]
-        check = {"ideal_ratio": ideal, "actual_ratio": actual, "fraction_of_ideal": actual / ideal}
-        check["paired_fraction_of_ideal"] = _paired(by_name["packed"], by_name["pad_to_longest"], ideal)
-        check["target_met"] = check["fraction_of_ideal"] >= 0.9
+    ideal = results["packed"]["fill"] / results["pad_to_longest"]["fill"]
+    ratio = _layout_ratio(by_name["packed"], by_name["pad_to_longest"], ideal)
+    if ratio is not None:
+        check = {"ideal_ratio": ideal, **ratio, "target_met": ratio["fraction_of_ideal"] >= 0.9}
         # The fill ratio assumes cost proportional to slots; images cost the same in every layout.
         fl = pass_flops(cfg, vocab, batches["pad_to_longest"]) / pass_flops(cfg, vocab, batches["packed"])
         check["ideal_ratio_by_flops"] = fl
-        check["fraction_of_flops_ideal"] = actual / fl
+        check["fraction_of_flops_ideal"] = ratio["actual_ratio"] / fl
     else:  # one of them failed (e.g. pad-to-longest out of memory): no ratio to check
         check = {"ideal_ratio": ideal, "actual_ratio": None, "fraction_of_ideal": None, "target_met": None}
-    dp, dq = results["packed (decoder only)"], results["pad_to_longest (decoder only)"]
-    if "real_tokens_per_s" in dp and "real_tokens_per_s" in dq:
-        d_actual = dp["real_tokens_per_s"]["median"] / dq["real_tokens_per_s"]["median"]
-        check["decoder_only"] = {
-            "actual_ratio": d_actual,
-            "fraction_of_ideal": d_actual / ideal,
-            "paired_fraction_of_ideal": _paired(
-                by_name["packed (decoder only)"], by_name["pad_to_longest (decoder only)"], ideal
-            ),
-        }
+    decoder_only = _layout_ratio(by_name["packed (decoder only)"], by_name["pad_to_longest (decoder only)"], ideal)
+    if decoder_only is not None:
+        check["decoder_only"] = decoder_only
 
     from nanovlm.model import build_model, num_parameters
 

@@ -18,6 +18,7 @@ import contextlib
 import io
 import re
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -116,6 +117,11 @@ def images_to_tensor(images: list[Image.Image]) -> torch.Tensor:
 
 # ----------------------------------------------------------------------------------------------------------
 # text
+
+
+def long_tensor(ids: Sequence[int]) -> torch.Tensor:
+    """Token ids -> int64 tensor [L], through numpy: about 3x faster than ``torch.tensor(list)``."""
+    return torch.from_numpy(np.array(ids, dtype=np.int64))
 
 
 @dataclass
@@ -231,7 +237,13 @@ class SampleProcessor:
 
     def image(self, data: bytes, key: str = "") -> torch.Tensor:
         """Image bytes -> uint8 [3, image_size, image_size]."""
-        return images_to_tensor([self._pil_image(data, key)])[0]
+        return self.images([data], key)[0]
+
+    def images(self, datas: Sequence[bytes], key: str = "") -> torch.Tensor:
+        """The images of one sample -> uint8 [n, 3, image_size, image_size] ([0, 3, S, S] for none)."""
+        if not datas:
+            return torch.zeros(0, 3, self.image_size, self.image_size, dtype=torch.uint8)
+        return images_to_tensor([self._pil_image(b, key) for b in datas])
 
     def _pil_image(self, data: bytes, key: str) -> Image.Image:
         """Image bytes -> decoded RGB PIL image resized to image_size x image_size."""
@@ -275,15 +287,10 @@ class SampleProcessor:
             truncated = True
             if all(label == IGNORE_INDEX for label in labels):
                 raise SampleError("overlength", record.key, f"no answer token left after truncation to {max_tokens}")
-        size = self.image_size
-        if n_images:
-            pixels = images_to_tensor([self._pil_image(b, record.key) for b in record.images[:n_images]])
-        else:
-            pixels = torch.zeros(0, 3, size, size, dtype=torch.uint8)
         return ProcessedSample(
             key=record.key,
-            input_ids=torch.from_numpy(np.array(ids, dtype=np.int64)),  # 3x faster than torch.tensor(list)
-            labels=torch.from_numpy(np.array(labels, dtype=np.int64)),
-            pixel_values=pixels,
+            input_ids=long_tensor(ids),
+            labels=long_tensor(labels),
+            pixel_values=self.images(record.images[:n_images], record.key),
             truncated=truncated,
         )

@@ -65,9 +65,7 @@ def evaluate_answers(
     try:
         for record in iter_answered_records(directories, limit):
             prompt = torch.tensor([processor.prompt_ids(record.messages[:-1])], device=device)
-            pixels = None
-            if record.images:
-                pixels = torch.stack([processor.image(b, record.key) for b in record.images]).to(device)
+            pixels = processor.images(record.images, record.key).to(device) if record.images else None
             new = model.generate(prompt, pixels, max_new_tokens=max_new_tokens, eos_token_id=eos)[0].tolist()
             text = tokenizer.decode([t for t in new if t != eos], skip_special_tokens=True)
             expected = str(record.extra["answer"])
