@@ -172,6 +172,7 @@ def test_quick_all_sections(tmp_path, make_dataset, tiny_tokenizer):
     assert set(train["modes"]) == layouts | {"packed (decoder only)", "pad_to_longest (decoder only)"}
     assert train["modes"]["packed"]["fill"] > train["modes"]["pad_to_longest"]["fill"]
     assert train["modes"]["packed (decoder only)"]["fill"] == train["modes"]["packed"]["fill"]  # same batches
+    assert train["modes"]["packed"]["launches_per_step"] > 0
     check = train["ratio_check"]
     assert set(check["decoder_only"]) == {"actual_ratio", "fraction_of_ideal", "paired_fraction_of_ideal"}
     for paired in (check["paired_fraction_of_ideal"], check["decoder_only"]["paired_fraction_of_ideal"]):

@@ -157,6 +157,7 @@ class ModeRunner:
         self.rates: list[float] = []
         self.step_ms: list[float] = []
         self.peak_extra_mb = 0.0
+        self.launches: int | None = None
         self.error: str | None = None
 
     def _sync(self) -> None:
@@ -196,6 +197,21 @@ class ModeRunner:
         except torch.OutOfMemoryError as e:
             self._fail(e)
 
+    def count_launches(self) -> None:
+        """Kernels launched by forward + backward of the first batch (see ``count_launches``)."""
+        if self.error:
+            return
+        b = self.dev_batches[0]
+
+        def fwd_bwd() -> None:
+            with self._autocast():
+                loss = self.model(b)["loss"]
+            loss.backward()
+            self._sync()
+
+        self.launches = count_launches(fwd_bwd, self.device)
+        self.opt.zero_grad(set_to_none=True)
+
     def timed_pass(self) -> None:
         if self.error:
             return
@@ -227,6 +243,7 @@ class ModeRunner:
             "real_tokens_per_pass": self.tokens,
             "fill": _fill(self.batches),
             "error": self.error,
+            "launches_per_step": self.launches,
         }
         if self.rates:
             out.update(
@@ -239,6 +256,45 @@ class ModeRunner:
                 else "process peak RSS above resting",
             )
         return out
+
+
+# aten ops that only make views or read metadata: no kernel of their own (a copying ``to``/``contiguous`` counts)
+_NO_KERNEL = frozenset(
+    "aten::" + n
+    for n in (  # noqa: SIM905 (a word list)
+        "view view_as _unsafe_view reshape _reshape_alias t transpose permute as_strided unsqueeze squeeze expand "
+        "expand_as slice select narrow split split_with_sizes chunk unbind unflatten flatten alias detach "
+        "lift_fresh resolve_conj resolve_neg result_type empty empty_strided empty_like to _to_copy contiguous "
+        "clone item _local_scalar_dense is_nonzero size stride numel dim"
+    ).split()
+)
+
+
+def count_launches(fn, device: torch.device) -> int:
+    """Kernels one call of ``fn`` launches: on CUDA the device kernels and copies the profiler records; on CPU a
+    proxy, the aten ops dispatched at top level (not from inside another aten op) that compute or copy.
+
+    An eager GPU step of a small model is bound by the host issuing kernels, so this count is what fusions cut.
+    """
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    with profile(activities=[ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]) as prof:
+        fn()
+    events = prof.events()
+    if cuda:
+        return sum(1 for e in events if e.device_type == DeviceType.CUDA)
+
+    def copies(e) -> bool:
+        return any(c.name in ("aten::copy_", "aten::_to_copy", "aten::fill_") or copies(c) for c in e.cpu_children)
+
+    def top_level(e) -> bool:
+        return e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::")
+
+    return sum(
+        1 for e in events if e.name.startswith("aten::") and top_level(e) and (e.name not in _NO_KERNEL or copies(e))
+    )
 
 
 def run_interleaved(runners: list[ModeRunner], reps: int, warmup: int, log=print) -> None:
@@ -366,6 +422,9 @@ def run(args: argparse.Namespace, log=print) -> tuple[dict[str, Any], str]:
             backends.append({"backend": name})
         cfg.model.attn_backend = backend
     run_interleaved(runners, reps, warmup, log)
+    for r in runners:
+        if r.name == "packed" or r.name.startswith("packed/"):
+            r.count_launches()
     results = {r.name: r.result() for r in layouts}
     by_name = {r.name: r for r in runners}
     for b in backends:
@@ -402,6 +461,11 @@ def run(args: argparse.Namespace, log=print) -> tuple[dict[str, Any], str]:
         f"[min-max] of {reps} passes (modes interleaved) after {warmup} warm-up steps; step times pooled over all "
         "passes; peak memory: above the resting level (activations, gradients, temporaries)."
     )
+    if results["packed"]["launches_per_step"]:
+        md[-1] += (
+            f" Kernel launches of one packed step (forward + backward): {results['packed']['launches_per_step']}"
+            + (" (CUDA kernels and copies)." if device.type == "cuda" else " (aten ops dispatched, the CPU proxy).")
+        )
     md.append("")
     rows = []
     for mode in results:
@@ -451,7 +515,7 @@ def run(args: argparse.Namespace, log=print) -> tuple[dict[str, Any], str]:
         for b in backends:
             if "unavailable" in b or "real_tokens_per_s" not in b:
                 why = b.get("unavailable") or b.get("error") or "failed"
-                brow.append([b["backend"], why[:90], "-", "-", "-", "-"])
+                brow.append([b["backend"], why[:90], "-", "-", "-", "-", "-"])
             else:
                 brow.append(
                     [
@@ -461,9 +525,11 @@ def run(args: argparse.Namespace, log=print) -> tuple[dict[str, Any], str]:
                         f"{b['step_ms_p99']:.1f}",
                         f"{b['peak_memory_mb']:.0f}",
                         f"{100 * b['mfu']:.1f}%" if b.get("mfu") else "-",
+                        b["launches_per_step"] or "-",
                     ]
                 )
-        md.append(markdown_table(["backend", "real tokens/s", "step ms median", "p99", "peak MB", "MFU"], brow))
+        head = ["backend", "real tokens/s", "step ms median", "p99", "peak MB", "MFU", "launches/step"]
+        md.append(markdown_table(head, brow))
     doc = {
         "device": str(device),
         "parameters": params,
