@@ -265,3 +265,40 @@ def test_build_model_resolves_vocab_and_image_token():
     small.language.vocab_size = 64
     with pytest.raises(ValueError, match="smaller than the tokenizer's 72 tokens"):
         build_model(small, tok)
+
+
+def test_rmsnorm_is_llamas_formula_in_both_dtype_paths():
+    """F.rms_norm (fused on CUDA) when input and weight share a dtype; the explicit fp32 path otherwise. Both give
+    transformers' Llama formula: bitwise on fp32 input, and on bf16 input normalised in fp32 then cast."""
+    from nanovlm.model.language import RMSNorm
+
+    norm = RMSNorm(48, 1e-5)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+    x = torch.randn(2, 7, 48)
+
+    def llama(x):
+        x32 = x.float()
+        return norm.weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-5)).to(x.dtype)
+
+    assert torch.equal(norm(x), llama(x))
+    xb = x.bfloat16()
+    assert norm(xb).dtype == torch.float32 and torch.equal(norm(xb), llama(xb))
+    nb = copy.deepcopy(norm).bfloat16()  # bf16 weight and input (e.g. FSDP2 bf16 params): the fused path
+    torch.testing.assert_close(nb(xb).float(), llama(xb).float(), atol=2e-2, rtol=2e-2)
+
+
+def test_rotary_equals_rotate_half_formula_bitwise_in_every_dtype():
+    """The sign-folded tables give exactly x * cos + cat(-x2, x1) * sin (transformers' rotate_half convention)."""
+    from nanovlm.model.language import Rotary
+
+    pos = torch.tensor([[0, 1, 2, 3, 0, 1, 2]])
+    rope = Rotary(pos, 8, 10000.0, {torch.bfloat16})
+    inv = 1.0 / (10000.0 ** (torch.arange(0, 8, 2).float() / 8))
+    emb = torch.cat([pos.float()[..., None] * inv] * 2, -1)[:, :, None]  # [1, 7, 1, 8]
+    for dtype in (torch.float32, torch.bfloat16, torch.float64):  # float64: not precomputed, cast on the fly
+        x = torch.randn(1, 7, 3, 8).to(dtype)
+        x1, x2 = x.chunk(2, -1)
+        want = x * emb.cos().to(dtype) + torch.cat([-x2, x1], -1) * emb.sin().to(dtype)
+        got = rope(x)
+        assert got.dtype == dtype and torch.equal(got, want)

@@ -142,7 +142,7 @@ def _sdpa(q, k, v, cu_seqlens, max_seqlen, causal):
     # split (not slicing): its backward is one cat, instead of a full-size zero tensor per segment
     for q1, k1, v1 in zip(q.split(lengths), k.split(lengths), v.split(lengths)):
         q4, k4, v4 = (t.transpose(0, 1).unsqueeze(0) for t in (q1, k1, v1))  # [1, H, L, D]
-        outs.append(F.scaled_dot_product_attention(q4, k4, v4, is_causal=causal)[0].transpose(0, 1))
+        outs.append(F.scaled_dot_product_attention(q4, k4, v4, is_causal=causal).squeeze(0).transpose(0, 1))
     return torch.cat(outs, dim=0)
 
 

@@ -9,7 +9,8 @@ Three ways to run attention, chosen by the inputs:
   attention with key padding through SDPA;
 - cached (generation): one sample, keys/values appended to a preallocated ``KVCache``.
 
-Parameter names follow transformers' ``LlamaForCausalLM`` (``pretrained.py`` maps them).
+Parameter names follow transformers' ``LlamaForCausalLM``, except that q/k/v and gate/up are fused into
+``qkv_proj`` and ``gate_up_proj`` (``pretrained.py`` stacks the checkpoint's tensors).
 """
 
 from __future__ import annotations
@@ -23,7 +24,12 @@ from nanovlm.model.attention import attention, expand_kv
 
 
 class RMSNorm(nn.Module):
-    """x / rms(x) * weight, computed in fp32 (as Llama does) and cast back to the input dtype."""
+    """x / rms(x) * weight, normalised in fp32 (as Llama does).
+
+    When x and the weight share a dtype this is ``F.rms_norm``: one fused kernel forward and one backward on CUDA,
+    instead of about eight launches each way, and bitwise the same result on fp32 inputs. Otherwise (bf16
+    activations with an fp32 weight) x is normalised in fp32, cast back, then scaled, as transformers' Llama does.
+    """
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -31,27 +37,34 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == self.weight.dtype:
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
 
 
-def rope_cos_sin(position_ids: torch.Tensor, head_dim: int, theta: float):
-    """fp32 cos, sin [B, T, head_dim] for integer positions [B, T] (computed on the fly: no buffer to shard or init)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=position_ids.device).float() / head_dim))
-    freqs = position_ids.float()[..., None] * inv_freq  # [B, T, head_dim / 2]
-    emb = torch.cat([freqs, freqs], dim=-1)
-    return emb.cos(), emb.sin()
+class Rotary:
+    """cos and sign-folded sin of every position, [B, T, 1, head_dim], made once per forward for all layers.
 
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate [B, T, H, D] by position (half-split convention of Llama: pairs are (i, i + D/2)).
-
-    cos/sin are cast to x's dtype so that, under autocast, bf16 q/k stay bf16 for the attention kernels.
+    Llama's half-split rotation is x * cos + cat(-x2, x1) * sin; folding the sign into sin
+    (sin_signed = cat(-s, s)) makes it x * cos + cat(x2, x1) * sin_signed, exactly the same numbers without the
+    negation kernel. The tables are cast up front to every dtype q and k can have (``dtypes``: the activations'
+    and the autocast dtype), so no layer casts them again.
     """
-    cos, sin = cos.unsqueeze(2).to(x.dtype), sin.unsqueeze(2).to(x.dtype)
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+    def __init__(self, position_ids: torch.Tensor, head_dim: int, theta: float, dtypes=()) -> None:
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=position_ids.device).float() / head_dim))
+        freqs = position_ids.float()[..., None] * inv_freq  # [B, T, head_dim / 2]
+        cos, sin = freqs.cos(), freqs.sin()
+        cos, sin = torch.cat([cos, cos], -1)[:, :, None], torch.cat([-sin, sin], -1)[:, :, None]
+        self.tables = {dt: (cos.to(dt), sin.to(dt)) for dt in {torch.float32, *dtypes}}
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """Rotate x [B, T, H, D] by position (pairs (i, i + D/2), as in transformers' Llama)."""
+        cos, sin = self.tables.get(x.dtype) or (t.to(x.dtype) for t in self.tables[torch.float32])
+        x1, x2 = x.chunk(2, dim=-1)
+        return x * cos + torch.cat([x2, x1], dim=-1) * sin
 
 
 class KVCache:
@@ -75,22 +88,27 @@ class KVCache:
 
 
 class DecoderAttention(nn.Module):
+    """Grouped-query attention with one fused projection for queries, keys and values.
+
+    ``qkv_proj`` holds transformers' q_proj, k_proj and v_proj stacked by rows ([q; k; v], see ``pretrained.py``):
+    one GEMM instead of three, and RoPE runs once over the query and key heads together. Eager GPU steps of
+    small models are bound by kernel launches, and this removes about a third of a layer's attention launches.
+    """
+
     def __init__(self, cfg: LanguageConfig, attn_backend: str) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads = cfg.num_heads, cfg.num_kv_heads
         self.head_dim = cfg.hidden_size // cfg.num_heads
         self.attn_backend = attn_backend
-        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * self.head_dim, bias=False)
+        self.qkv_proj = nn.Linear(cfg.hidden_size, (cfg.num_heads + 2 * cfg.num_kv_heads) * self.head_dim, bias=False)
         self.o_proj = nn.Linear(cfg.num_heads * self.head_dim, cfg.hidden_size, bias=False)
 
-    def forward(self, x, cos, sin, cu_seqlens=None, max_seqlen=None, pad_mask=None, cache=None, layer_idx=0):
+    def forward(self, x, rope, cu_seqlens=None, max_seqlen=None, pad_mask=None, cache=None, layer_idx=0):
         b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        h, hkv = self.num_heads, self.num_kv_heads
+        qkv = self.qkv_proj(x).view(b, t, h + 2 * hkv, self.head_dim)
+        qk, v = qkv.split([h + hkv, hkv], dim=2)  # [B, T, Hq + Hkv, D], [B, T, Hkv, D] (split: backward is one cat)
+        q, k = rope(qk).split([h, hkv], dim=2)
         if cache is not None:  # one sample, new tokens attend to everything cached so far plus themselves
             start = cache.length
             k, v = cache.update(layer_idx, k, v)
@@ -101,7 +119,9 @@ class DecoderAttention(nn.Module):
         elif cu_seqlens is not None:  # packed [1, T]: varlen attention within each sample
             if b != 1:
                 raise ValueError(f"a packed batch has one row; got input of shape {tuple(x.shape[:2])}")
-            out = attention(q[0], k[0], v[0], cu_seqlens, max_seqlen, causal=True, backend=self.attn_backend)[None]
+            # squeeze, not [0]: a view whose backward is a view (indexing's backward writes a zero tensor)
+            q, k, v = q.squeeze(0), k.squeeze(0), v.squeeze(0)
+            out = attention(q, k, v, cu_seqlens, max_seqlen, causal=True, backend=self.attn_backend).unsqueeze(0)
         else:  # padded [B, T] (pad_mask [B, 1, T, T]) or a single unpadded row (pad_mask None: plain causal)
             out = self._sdpa(q, k, v, pad_mask, causal=pad_mask is None)
         return self.o_proj(out.reshape(b, t, self.num_heads * self.head_dim))
@@ -115,16 +135,16 @@ class DecoderAttention(nn.Module):
 
 
 class DecoderMLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x))."""
+    """SwiGLU: down(silu(gate(x)) * up(x)), with gate and up as one GEMM (``gate_up_proj`` = [gate; up])."""
 
     def __init__(self, cfg: LanguageConfig) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -135,8 +155,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = DecoderMLP(cfg)
 
-    def forward(self, x, cos, sin, **attn_kwargs):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, **attn_kwargs)
+    def forward(self, x, rope, **attn_kwargs):
+        x = x + self.self_attn(self.input_layernorm(x), rope, **attn_kwargs)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -169,7 +189,9 @@ class LanguageModel(nn.Module):
         Give ``cu_seqlens``/``max_seqlen`` for a packed row, ``attention_mask`` [B, T] for padded rows, ``cache``
         for generation; with none of them each row is one causal sequence.
         """
-        cos, sin = rope_cos_sin(position_ids, self.head_dim, self.cfg.rope_theta)
+        dev = inputs_embeds.device.type
+        dtypes = {inputs_embeds.dtype, *([torch.get_autocast_dtype(dev)] if torch.is_autocast_enabled(dev) else [])}
+        rope = Rotary(position_ids, self.head_dim, self.cfg.rope_theta, dtypes)
         pad_mask = None
         if attention_mask is not None and cu_seqlens is None and cache is None:
             t = attention_mask.shape[1]
@@ -181,7 +203,7 @@ class LanguageModel(nn.Module):
         x = inputs_embeds
         for i, layer in enumerate(self.layers):
             x = layer(
-                x, cos, sin, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, pad_mask=pad_mask, cache=cache, layer_idx=i
+                x, rope, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, pad_mask=pad_mask, cache=cache, layer_idx=i
             )
         if cache is not None:
             cache.length += inputs_embeds.shape[1]

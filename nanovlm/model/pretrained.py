@@ -89,25 +89,52 @@ def _check_config(kind: str, where: str, pairs: dict[str, tuple[object, object]]
         )
 
 
-def _copy(module: nn.Module, mapping: dict[str, str], state: dict[str, torch.Tensor], kind: str, where: str, rows=()):
-    """Copy state[ckpt_name] into module's parameter ours_name for every pair; names in ``rows`` may be
-    shorter in the checkpoint's first dimension (vocabulary rows); all problems are reported at once."""
+def _copy(
+    module: nn.Module,
+    mapping: dict[str, str | tuple[str, ...]],
+    state: dict[str, torch.Tensor],
+    kind: str,
+    where: str,
+    rows=(),
+):
+    """Copy state[ckpt_name] into module's parameter ours_name for every pair; a tuple of checkpoint names is
+    stacked by rows (fused projections); names in ``rows`` may be shorter in the checkpoint's first dimension
+    (vocabulary rows); all problems are reported at once."""
     params = dict(module.named_parameters(remove_duplicate=False))
     problems = []
+    tensors: dict[str, torch.Tensor] = {}
     for ours, theirs in mapping.items():
-        if theirs not in state:
-            problems.append(f"missing tensor '{theirs}' (for {ours})")
+        names = (theirs,) if isinstance(theirs, str) else theirs
+        missing = [n for n in names if n not in state]
+        if missing:
+            problems += [f"missing tensor '{n}' (for {ours})" for n in missing]
             continue
-        p, t = params[ours], state[theirs]
+        parts = [state[n] for n in names]
+        if len({t.shape[1:] for t in parts}) > 1:
+            problems.append(f"{' + '.join(names)} cannot be stacked: shapes {[tuple(t.shape) for t in parts]}")
+            continue
+        p, t = params[ours], torch.cat(parts) if len(parts) > 1 else parts[0]
         fits = t.shape == p.shape or (ours in rows and t.shape[1:] == p.shape[1:] and t.shape[0] <= p.shape[0])
         if not fits:
-            problems.append(f"'{theirs}' has shape {tuple(t.shape)} but {ours} needs {tuple(p.shape)}")
+            problems.append(f"'{' + '.join(names)}' has shape {tuple(t.shape)} but {ours} needs {tuple(p.shape)}")
+        tensors[ours] = t
     if problems:
         raise CheckpointMismatchError(f"{kind} checkpoint {where} does not fit the model: " + "; ".join(problems))
     with torch.no_grad():
-        for ours, theirs in mapping.items():
-            t = state[theirs]
+        for ours, t in tensors.items():
             params[ours][: t.shape[0]].copy_(t.to(params[ours].dtype))
+
+
+def _n_tensors(mapping: dict[str, str | tuple[str, ...]]) -> int:
+    return sum(1 if isinstance(v, str) else len(v) for v in mapping.values())
+
+
+def _fused_names(name: str) -> str | tuple[str, ...]:
+    """Our parameter name -> the checkpoint's name(s), with fused projections split into their parts."""
+    for fused, parts in (("qkv_proj", ("q_proj", "k_proj", "v_proj")), ("gate_up_proj", ("gate_proj", "up_proj"))):
+        if f".{fused}." in name:
+            return tuple(name.replace(fused, part) for part in parts)
+    return name
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -142,13 +169,14 @@ def load_vision_weights(vision: nn.Module, name_or_path: str) -> None:
     mapping = {}
     for name, _ in vision.named_parameters():
         if name.startswith(("patch_embedding.", "position_embedding.")):
-            mapping[name] = f"{prefix}embeddings.{name}"
+            theirs = f"{prefix}embeddings.{name}"
         elif name.startswith("blocks."):
-            mapping[name] = f"{prefix}encoder.layers.{name[len('blocks.') :]}"
+            theirs = f"{prefix}encoder.layers.{name[len('blocks.') :]}"
         else:
-            mapping[name] = prefix + name
+            theirs = prefix + name
+        mapping[name] = _fused_names(theirs)
     _copy(vision, mapping, state, "vision", name_or_path)
-    log.info("loaded vision weights from %s (%d tensors)", name_or_path, len(mapping))
+    log.info("loaded vision weights from %s (%d tensors)", name_or_path, _n_tensors(mapping))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -200,7 +228,7 @@ def load_language_weights(language: nn.Module, name_or_path: str) -> None:
     prefix = _find_prefix(state, "embed_tokens.weight")
     mapping = {}
     for name, _ in language.named_parameters():  # tied lm_head.weight is not listed (shared with embed_tokens)
-        mapping[name] = "lm_head.weight" if name == "lm_head.weight" else prefix + name
+        mapping[name] = "lm_head.weight" if name == "lm_head.weight" else _fused_names(prefix + name)
     if "lm_head.weight" in mapping and tied_ckpt:
         mapping["lm_head.weight"] = prefix + "embed_tokens.weight"  # untied head initialised from tied weights
     _copy(language, mapping, state, "language", name_or_path, rows=("embed_tokens.weight", "lm_head.weight"))
@@ -208,7 +236,7 @@ def load_language_weights(language: nn.Module, name_or_path: str) -> None:
     log.info(
         "loaded language weights from %s (%d tensors; vocabulary rows %d of %d from the checkpoint)",
         name_or_path,
-        len(mapping),
+        _n_tensors(mapping),
         n_ckpt,
         language.vocab_size,
     )

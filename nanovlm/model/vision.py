@@ -1,8 +1,8 @@
 """SigLIP-style vision encoder: conv patch embedding, learned positions, pre-norm ViT blocks, final LayerNorm.
 
 No CLS token and no pooling head: the projector consumes every patch embedding. Module and parameter names
-follow transformers' ``SiglipVisionModel`` one-to-one (see ``pretrained.py``), so pretrained SigLIP weights
-load by renaming prefixes only. Attention is non-causal within each image; the images of a batch are
+follow transformers' ``SiglipVisionModel``, except that q/k/v_proj are fused into ``qkv_proj`` (``pretrained.py``
+stacks them when loading SigLIP weights). Attention is non-causal within each image; the images of a batch are
 independent sequences of equal length, handed to the varlen ``attention`` as equal segments.
 """
 
@@ -22,16 +22,12 @@ class VisionAttention(nn.Module):
         self.num_heads = cfg.num_heads
         self.head_dim = cfg.hidden_size // cfg.num_heads
         self.attn_backend = attn_backend
-        self.q_proj = nn.Linear(cfg.hidden_size, cfg.hidden_size)
-        self.k_proj = nn.Linear(cfg.hidden_size, cfg.hidden_size)
-        self.v_proj = nn.Linear(cfg.hidden_size, cfg.hidden_size)
+        self.qkv_proj = nn.Linear(cfg.hidden_size, 3 * cfg.hidden_size)  # SigLIP's q/k/v_proj stacked: one GEMM
         self.out_proj = nn.Linear(cfg.hidden_size, cfg.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         n, p, d = x.shape  # [images, patches, hidden]
-        q, k, v = (
-            proj(x).view(n * p, self.num_heads, self.head_dim) for proj in (self.q_proj, self.k_proj, self.v_proj)
-        )
+        q, k, v = self.qkv_proj(x).view(n * p, 3, self.num_heads, self.head_dim).unbind(1)  # 3 x [n*p, H, hd]
         cu_seqlens = torch.arange(0, (n + 1) * p, p, dtype=torch.int32, device=x.device)  # one segment per image
         out = attention(q, k, v, cu_seqlens, p, causal=False, backend=self.attn_backend)  # [n*p, H, hd]
         return self.out_proj(out.reshape(n, p, d))
