@@ -8,7 +8,7 @@ import sys
 
 import pytest
 import yaml
-from test_resume import REPO, TIMEOUT, run_train, small_demo  # noqa: F401 (small_demo is a fixture)
+from test_resume import REPO, TIMEOUT, run_train, small_demo, train_cmd  # noqa: F401 (small_demo is a fixture)
 
 from nanovlm.config import load_config, to_yaml
 from nanovlm.train.checkpoint import checkpoint_name
@@ -73,3 +73,47 @@ def test_two_step_fit_writes_run_dir_and_evaluates(small_demo, tmp_path):  # noq
     assert f"[resume] from {run_dir / 'checkpoints' / checkpoint_name(2)}" in out
     assert "[eval]" in out  # the finished run is still evaluated
     assert len((run_dir / "steps.jsonl").read_text().splitlines()) == 2
+
+
+def test_resuming_a_checkpoint_that_does_not_fit_the_model_is_a_clear_error(small_demo, tmp_path):  # noqa: F811
+    """A checkpoint of an older layout (separate q/k/v and gate/up) or of another model config stops the run
+    before training with one readable message naming a few tensors and the likely cause, not torch's list of
+    every key; exit 2, no traceback."""
+    import torch
+
+    run_dir = tmp_path / "run"
+    run_train(small_demo, run_dir, "trainer.max_steps=1", "trainer.eval_at_end=false")
+    path = run_dir / "checkpoints" / checkpoint_name(1)
+    good = path.read_bytes()
+
+    def resume(*extra: str) -> subprocess.CompletedProcess:
+        cmd = train_cmd(small_demo, run_dir, "trainer.max_steps=2", "trainer.eval_at_end=false", *extra)
+        return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=TIMEOUT)
+
+    ckpt = torch.load(path, weights_only=True)
+    legacy = {}
+    for name, t in ckpt["state_dict"].items():  # the layout before the fused projections
+        if ".qkv_proj." in name and ".language." in name:
+            h = t.shape[0] // 8  # MICRO_MODEL: 4 query heads + 2 x 2 kv heads
+            q, k, v = t.split([4 * h, 2 * h, 2 * h])
+            legacy |= {name.replace("qkv_proj", p): x for p, x in zip(("q_proj", "k_proj", "v_proj"), (q, k, v))}
+        elif ".gate_up_proj." in name:
+            legacy |= dict(
+                zip((name.replace("gate_up_proj", "gate_proj"), name.replace("gate_up_proj", "up_proj")), t.chunk(2))
+            )
+        else:
+            legacy[name] = t
+    ckpt["state_dict"] = legacy
+    torch.save(ckpt, path)
+    proc = resume()
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert "the checkpoint does not fit this model" in proc.stderr
+    assert "tensor(s) missing: model.language.layers.0.self_attn.qkv_proj.weight" in proc.stderr
+    assert "written before the q/k/v and gate/up projections were fused" in proc.stderr
+    assert len(proc.stderr.splitlines()[-1]) < 1200  # a few names, not every key
+
+    path.write_bytes(good)
+    proc = resume("model.language.intermediate_size=64")  # another model config
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert "of another shape: model.language.layers.0.mlp.gate_up_proj.weight (192, 48) vs (128, 48)" in proc.stderr
+    assert "the model.* config differs" in proc.stderr

@@ -64,9 +64,14 @@ def main(argv: Sequence[str] | None = None, default_configs: Sequence[str] = (DE
         print(to_yaml(cfg), end="")
         return 0
 
+    from nanovlm.train.module import CheckpointModelMismatchError
     from nanovlm.train.run import train  # heavy imports only after the config is known to be valid
 
-    result = train(cfg, config_files=list(files))
+    try:
+        result = train(cfg, config_files=list(files))
+    except CheckpointModelMismatchError as e:  # a user error with a complete message: no traceback
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     if result.preempted:
         print(
             f"stopped by a signal at step {result.global_step}; checkpoint {result.last_checkpoint}. "
