@@ -75,45 +75,66 @@ def test_two_step_fit_writes_run_dir_and_evaluates(small_demo, tmp_path):  # noq
     assert len((run_dir / "steps.jsonl").read_text().splitlines()) == 2
 
 
-def test_resuming_a_checkpoint_that_does_not_fit_the_model_is_a_clear_error(small_demo, tmp_path):  # noqa: F811
-    """A checkpoint of an older layout (separate q/k/v and gate/up) or of another model config stops the run
-    before training with one readable message naming a few tensors and the likely cause, not torch's list of
-    every key; exit 2, no traceback."""
+def _one_step_run_with_legacy_checkpoint(data, run_dir) -> bytes:
+    """Train one step, then rewrite its checkpoint in the layout before the fused projections (separate
+    q/k/v_proj and gate/up_proj). Returns the original checkpoint bytes."""
     import torch
 
-    run_dir = tmp_path / "run"
-    run_train(small_demo, run_dir, "trainer.max_steps=1", "trainer.eval_at_end=false")
+    run_train(data, run_dir, "trainer.max_steps=1", "trainer.eval_at_end=false")
     path = run_dir / "checkpoints" / checkpoint_name(1)
     good = path.read_bytes()
-
-    def resume(*extra: str) -> subprocess.CompletedProcess:
-        cmd = train_cmd(small_demo, run_dir, "trainer.max_steps=2", "trainer.eval_at_end=false", *extra)
-        return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=TIMEOUT)
-
     ckpt = torch.load(path, weights_only=True)
     legacy = {}
-    for name, t in ckpt["state_dict"].items():  # the layout before the fused projections
+    for name, t in ckpt["state_dict"].items():
         if ".qkv_proj." in name and ".language." in name:
             h = t.shape[0] // 8  # MICRO_MODEL: 4 query heads + 2 x 2 kv heads
-            q, k, v = t.split([4 * h, 2 * h, 2 * h])
-            legacy |= {name.replace("qkv_proj", p): x for p, x in zip(("q_proj", "k_proj", "v_proj"), (q, k, v))}
-        elif ".gate_up_proj." in name:
             legacy |= dict(
-                zip((name.replace("gate_up_proj", "gate_proj"), name.replace("gate_up_proj", "up_proj")), t.chunk(2))
+                zip(
+                    [name.replace("qkv_proj", p) for p in ("q_proj", "k_proj", "v_proj")],
+                    t.split([4 * h, 2 * h, 2 * h]),
+                )
             )
+        elif ".gate_up_proj." in name:
+            legacy |= dict(zip([name.replace("gate_up_proj", p) for p in ("gate_proj", "up_proj")], t.chunk(2)))
         else:
             legacy[name] = t
     ckpt["state_dict"] = legacy
     torch.save(ckpt, path)
-    proc = resume()
+    return good
+
+
+def _resume(data, run_dir, *extra: str) -> subprocess.CompletedProcess:
+    cmd = train_cmd(data, run_dir, "trainer.max_steps=2", "trainer.eval_at_end=false", *extra)
+    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=TIMEOUT)
+
+
+def _assert_legacy_error(proc: subprocess.CompletedProcess) -> None:
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert "the checkpoint does not fit this model" in proc.stderr
     assert "tensor(s) missing: model.language.layers.0.self_attn.qkv_proj.weight" in proc.stderr
     assert "written before the q/k/v and gate/up projections were fused" in proc.stderr
-    assert len(proc.stderr.splitlines()[-1]) < 1200  # a few names, not every key
+    assert all(len(line) < 1200 for line in proc.stderr.splitlines() if "does not fit" in line)  # not every key
 
-    path.write_bytes(good)
-    proc = resume("model.language.intermediate_size=64")  # another model config
+
+def test_resuming_a_checkpoint_that_does_not_fit_the_model_is_a_clear_error(small_demo, tmp_path):  # noqa: F811
+    """A checkpoint of an older layout (separate q/k/v and gate/up) or of another model config stops the run
+    before training with one readable message naming a few tensors and the likely cause, not torch's list of
+    every key; exit 2, no traceback."""
+    run_dir = tmp_path / "run"
+    good = _one_step_run_with_legacy_checkpoint(small_demo, run_dir)
+    _assert_legacy_error(_resume(small_demo, run_dir))
+
+    (run_dir / "checkpoints" / checkpoint_name(1)).write_bytes(good)
+    proc = _resume(small_demo, run_dir, "model.language.intermediate_size=64")  # another model config
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert "of another shape: model.language.layers.0.mlp.gate_up_proj.weight (192, 48) vs (128, 48)" in proc.stderr
     assert "the model.* config differs" in proc.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_fsdp_resume_of_a_checkpoint_that_does_not_fit_is_the_same_clear_error(small_demo, tmp_path):  # noqa: F811
+    """FSDP2 (ModelParallelStrategy) loads the weights before the LightningModule's hook: checked there too."""
+    run_dir = tmp_path / "run"
+    _one_step_run_with_legacy_checkpoint(small_demo, run_dir)
+    _assert_legacy_error(_resume(small_demo, run_dir, "trainer.devices=2", "trainer.strategy=fsdp"))

@@ -183,7 +183,8 @@ class VLMModule(pl.LightningModule):
         checkpoint["rng_states"] = gathered
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        check_model_tensors(checkpoint.get("state_dict", {}), self.state_dict())
+        if checkpoint.get("state_dict"):  # absent under FSDP2: ModelParallelStrategy has already loaded the weights
+            check_model_tensors(checkpoint["state_dict"], self.state_dict())
         states = checkpoint.get("rng_states")
         if not states:
             return
