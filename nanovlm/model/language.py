@@ -91,8 +91,8 @@ class DecoderAttention(nn.Module):
     """Grouped-query attention with one fused projection for queries, keys and values.
 
     ``qkv_proj`` holds transformers' q_proj, k_proj and v_proj stacked by rows ([q; k; v], see ``pretrained.py``):
-    one GEMM instead of three, and RoPE runs once over the query and key heads together. Eager GPU steps of
-    small models are bound by kernel launches, and this removes about a third of a layer's attention launches.
+    one GEMM instead of three (and one autocast cast of the input instead of three), and RoPE runs once over the
+    query and key heads together: eager GPU steps of small models are bound by kernel launches.
     """
 
     def __init__(self, cfg: LanguageConfig, attn_backend: str) -> None:
