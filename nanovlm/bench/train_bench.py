@@ -197,7 +197,7 @@ class ModeRunner:
         except torch.OutOfMemoryError as e:
             self._fail(e)
 
-    def count_launches(self) -> None:
+    def measure_launches(self) -> None:
         """Kernels launched by forward + backward of the first batch (see ``count_launches``)."""
         if self.error:
             return
@@ -424,7 +424,7 @@ def run(args: argparse.Namespace, log=print) -> tuple[dict[str, Any], str]:
     run_interleaved(runners, reps, warmup, log)
     for r in runners:
         if r.name == "packed" or r.name.startswith("packed/"):
-            r.count_launches()
+            r.measure_launches()
     results = {r.name: r.result() for r in layouts}
     by_name = {r.name: r for r in runners}
     for b in backends:

@@ -64,7 +64,7 @@ def main(argv: Sequence[str] | None = None, default_configs: Sequence[str] = (DE
         print(to_yaml(cfg), end="")
         return 0
 
-    from nanovlm.train.module import CheckpointModelMismatchError
+    from nanovlm.train.checkpoint import CheckpointModelMismatchError
     from nanovlm.train.run import train  # heavy imports only after the config is known to be valid
 
     try:

@@ -69,6 +69,58 @@ def resolve_resume(cfg: Config) -> Path | None:
     return path
 
 
+class CheckpointModelMismatchError(RuntimeError):
+    """The checkpoint's model tensors do not fit the model this run builds."""
+
+
+def check_model_tensors(saved: dict[str, Any], expected: dict[str, Any], shown: int = 4) -> None:
+    """Raise one readable error when a checkpoint's model tensors differ from the model's in names or shapes.
+
+    Torch's own error lists every key of every layer; this names a few and says what usually causes it: a
+    changed ``model.*`` config, or a checkpoint of an older layout (q/k/v and gate/up projections became the
+    fused ``qkv_proj`` / ``gate_up_proj`` in 2026-11: such checkpoints cannot be resumed by this version).
+    """
+    missing = [k for k in expected if k not in saved]
+    extra = [k for k in saved if k not in expected]
+    shapes = [
+        f"{k} {tuple(saved[k].shape)} vs {tuple(expected[k].shape)}"
+        for k in expected
+        if k in saved and hasattr(saved[k], "shape") and tuple(saved[k].shape) != tuple(expected[k].shape)
+    ]
+    if not (missing or extra or shapes):
+        return
+    parts = []
+    for what, items in (("missing", missing), ("not in this model", extra), ("of another shape", shapes)):
+        if items:
+            more = f" and {len(items) - shown} more" if len(items) > shown else ""
+            parts.append(f"{len(items)} tensor(s) {what}: {', '.join(items[:shown])}{more}")
+    legacy = any(k.endswith(("q_proj.weight", "gate_proj.weight")) for k in extra)
+    cause = (
+        "it was written before the q/k/v and gate/up projections were fused (qkv_proj, gate_up_proj)"
+        if legacy
+        else "the model.* config differs from the one it was trained with (compare with the run's config.yaml)"
+    )
+    raise CheckpointModelMismatchError(
+        f"the checkpoint does not fit this model ({'; '.join(parts)}): {cause}. Resume with the config and code "
+        "that wrote it, or start a new trainer.run_dir (or set checkpoint.resume=none)."
+    )
+
+
+def check_checkpoint_fits(path: Path, expected: dict[str, Any]) -> None:
+    """Check the model tensors of the checkpoint to resume from against the model, before training starts.
+
+    One place for every strategy (Lightning's DDP/single path and ModelParallelStrategy load the weights at
+    different points). The file is memory-mapped, so only names and shapes are read. A file torch cannot read is
+    left to the real load, which reports it.
+    """
+    try:
+        saved = torch.load(path, map_location="cpu", mmap=True, weights_only=True).get("state_dict")
+    except Exception:
+        return
+    if saved:
+        check_model_tensors(saved, expected)
+
+
 def _fsync_dir(directory: Path) -> None:
     try:
         fd = os.open(directory, os.O_RDONLY)

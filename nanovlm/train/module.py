@@ -32,43 +32,6 @@ def build_model(cfg: Config, tokenizer: Any) -> nn.Module:
     return NanoVLM(cfg.model, vocab, tokenizer.convert_tokens_to_ids("<image>"))
 
 
-class CheckpointModelMismatchError(RuntimeError):
-    """The checkpoint's model tensors do not fit the model this run builds."""
-
-
-def check_model_tensors(saved: dict[str, Any], expected: dict[str, Any], shown: int = 4) -> None:
-    """Raise one readable error when a checkpoint's model tensors differ from the model's in names or shapes.
-
-    Torch's own error lists every key of every layer; this names a few and says what usually causes it: a
-    changed ``model.*`` config, or a checkpoint of an older layout (q/k/v and gate/up projections became the
-    fused ``qkv_proj`` / ``gate_up_proj`` in 2026-11: such checkpoints cannot be resumed by this version).
-    """
-    missing = [k for k in expected if k not in saved]
-    extra = [k for k in saved if k not in expected]
-    shapes = [
-        f"{k} {tuple(saved[k].shape)} vs {tuple(expected[k].shape)}"
-        for k in expected
-        if k in saved and hasattr(saved[k], "shape") and tuple(saved[k].shape) != tuple(expected[k].shape)
-    ]
-    if not (missing or extra or shapes):
-        return
-    parts = []
-    for what, items in (("missing", missing), ("not in this model", extra), ("of another shape", shapes)):
-        if items:
-            more = f" and {len(items) - shown} more" if len(items) > shown else ""
-            parts.append(f"{len(items)} tensor(s) {what}: {', '.join(items[:shown])}{more}")
-    legacy = any(k.endswith(("q_proj.weight", "gate_proj.weight")) for k in extra)
-    cause = (
-        "it was written before the q/k/v and gate/up projections were fused (qkv_proj, gate_up_proj)"
-        if legacy
-        else "the model.* config differs from the one it was trained with (compare with the run's config.yaml)"
-    )
-    raise CheckpointModelMismatchError(
-        f"the checkpoint does not fit this model ({'; '.join(parts)}): {cause}. Resume with the config and code "
-        "that wrote it, or start a new trainer.run_dir (or set checkpoint.resume=none)."
-    )
-
-
 def _rng_state() -> dict[str, Any]:
     """This process's RNG states in a form ``torch.load(weights_only=True)`` accepts (tensors, lists, ints)."""
     np_state = np.random.get_state()
@@ -183,8 +146,6 @@ class VLMModule(pl.LightningModule):
         checkpoint["rng_states"] = gathered
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        if checkpoint.get("state_dict"):  # absent under FSDP2: ModelParallelStrategy has already loaded the weights
-            check_model_tensors(checkpoint["state_dict"], self.state_dict())
         states = checkpoint.get("rng_states")
         if not states:
             return

@@ -18,7 +18,13 @@ import lightning.pytorch as pl
 from nanovlm.config import Config, save_config
 from nanovlm.train import strategies
 from nanovlm.train.callbacks import DataProgress, StartSummary, Telemetry
-from nanovlm.train.checkpoint import AtomicCheckpointIO, PeriodicCheckpoint, checkpoint_dir, resolve_resume
+from nanovlm.train.checkpoint import (
+    AtomicCheckpointIO,
+    PeriodicCheckpoint,
+    check_checkpoint_fits,
+    checkpoint_dir,
+    resolve_resume,
+)
 from nanovlm.train.module import VLMModule
 
 
@@ -170,6 +176,8 @@ def train(
         save_config(cfg, cfg.trainer.run_dir)
         if resume is not None:
             print(f"[resume] from {resume}", flush=True)
+    if resume is not None:
+        check_checkpoint_fits(resume, module.state_dict())
     trainer.fit(module, datamodule=datamodule, ckpt_path=resume, weights_only=True)
     t = cfg.trainer
     finished = not ckpt.preempted and trainer.global_step >= t.max_steps

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import os
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -51,30 +50,10 @@ def build_strategy(cfg: TrainerConfig) -> Any:
         # find_unused_parameters=False: every part gets a gradient (frozen parts have requires_grad=False).
         return DDPStrategy(find_unused_parameters=False, timeout=DIST_TIMEOUT)
     if cfg.strategy == "fsdp":
-        return _checked_model_parallel()(save_distributed_checkpoint=False, timeout=DIST_TIMEOUT)
+        from lightning.pytorch.strategies import ModelParallelStrategy
+
+        return ModelParallelStrategy(save_distributed_checkpoint=False, timeout=DIST_TIMEOUT)
     raise ValueError(f"unknown trainer.strategy {cfg.strategy!r}; choose auto, single, ddp or fsdp")
-
-
-def _checked_model_parallel() -> type:
-    """ModelParallelStrategy that checks a checkpoint's model tensors before loading them.
-
-    It loads the weights itself, before the LightningModule's ``on_load_checkpoint`` sees the checkpoint, so
-    the readable mismatch error of ``check_model_tensors`` is raised here (the file is memory-mapped: cheap).
-    """
-    from lightning.pytorch.strategies import ModelParallelStrategy
-
-    class CheckedModelParallelStrategy(ModelParallelStrategy):
-        def load_checkpoint(self, checkpoint_path, weights_only=None):
-            from nanovlm.train.module import check_model_tensors
-
-            path = Path(checkpoint_path)
-            if path.is_file():  # one full checkpoint (save_distributed_checkpoint=False)
-                saved = torch.load(path, map_location="cpu", mmap=True, weights_only=True).get("state_dict")
-                if saved:
-                    check_model_tensors(saved, self.lightning_module.state_dict())
-            return super().load_checkpoint(checkpoint_path, weights_only)
-
-    return CheckedModelParallelStrategy
 
 
 def transformer_blocks(model: nn.Module) -> list[nn.Module]:
