@@ -8,6 +8,7 @@ import torch
 from nanovlm.config import LanguageConfig, ModelConfig, ProjectorConfig, VisionConfig
 from nanovlm.model import NanoVLM, build_model, flops_per_image, flops_per_token, num_parameters
 from nanovlm.model.projector import pixel_shuffle
+from nanovlm.model.vlm import loss_rows
 
 VOCAB, IMAGE_ID, PAD_ID = 64, 5, 0
 ITC = 4  # (16 / 4 / 2)^2 image tokens per image
@@ -111,6 +112,58 @@ def test_packed_loss_is_mean_over_loss_tokens():
         want = torch.nn.functional.cross_entropy(logits[keep], labels[keep])
     assert int(out["n_loss_tokens"]) == int(keep.sum())
     torch.testing.assert_close(out["loss"], want)
+
+
+def padded(items):
+    """[B, longest] right-padded rows with attention_mask and labels, as collate_padded builds them."""
+    width = max(len(s["input_ids"]) for s in items)
+    ids = torch.full((len(items), width), PAD_ID)
+    labels = torch.full((len(items), width), -100)
+    mask = torch.zeros(len(items), width, dtype=torch.long)
+    for i, s in enumerate(items):
+        n = len(s["input_ids"])
+        ids[i, :n], labels[i, :n], mask[i, :n] = s["input_ids"], s["labels"], 1
+    pixels = torch.cat([s["pixel_values"] for s in items])
+    return {"input_ids": ids, "labels": labels, "attention_mask": mask, "pixel_values": pixels}
+
+
+def test_loss_rows_are_the_positions_that_predict_a_loss_token():
+    labels = torch.tensor([[-100, 7, -100, 9, 4], [-100, -100, 3, -100, -100]])
+    # row 0: positions 0, 2, 3 predict 7, 9, 4; row 1: position 1 predicts 3 (flat 5 + 1)
+    assert loss_rows(labels).tolist() == [0, 2, 3, 6]
+    assert loss_rows(torch.full((2, 4), -100)).tolist() == []
+
+
+@pytest.mark.parametrize("layout", ["packed", "padded"])
+def test_head_on_loss_positions_only_gives_the_same_loss_and_gradients(layout):
+    """Training's ``return_logits=False`` (LM head on loss positions only) vs the head on every position."""
+    model, items = make_model(), samples()
+    batch = pack(items) if layout == "packed" else padded(items)
+    full = model(batch)
+    full["loss"].backward()
+    want = grads(model)
+    model.zero_grad()
+    got = model(batch, return_logits=False)
+    got["loss"].backward()
+    assert got["logits"] is None
+    assert (
+        int(got["n_loss_tokens"]) == int(full["n_loss_tokens"]) == sum(int((s["labels"] != -100).sum()) for s in items)
+    )
+    torch.testing.assert_close(got["loss"], full["loss"], atol=1e-6, rtol=1e-6)
+    have = grads(model)
+    assert have.keys() == want.keys() == {n for n, _ in model.named_parameters()}
+    for name in want:
+        torch.testing.assert_close(have[name], want[name], atol=1e-6, rtol=1e-5, msg=name)
+
+
+def test_head_on_loss_positions_without_any_loss_token_is_a_zero_loss_in_the_graph():
+    model, items = make_model(), samples()
+    batch = pack(items)
+    batch["labels"] = torch.full_like(batch["labels"], -100)
+    out = model(batch, return_logits=False)
+    assert int(out["n_loss_tokens"]) == 0 and out["loss"].item() == 0.0
+    out["loss"].backward()  # every parameter takes part (DDP needs that of each rank at each step)
+    assert all(p.grad is not None and not p.grad.any() for p in model.parameters())
 
 
 def test_padded_batch_equals_alone():
@@ -239,6 +292,9 @@ def test_flops_per_token_matches_the_model_structure():
     per_image += 6 * model.projector.proj.weight.numel() * ITC
     assert flops_per_image(cfg) == per_image
     assert flops_per_token(cfg, VOCAB, seq, images_per_token=0.25) == 6 * lang_matmul + attn + 0.25 * per_image
+    # the LM head on a fifth of the tokens (training computes logits only where a loss is taken)
+    head = model.language.lm_head.weight.numel()
+    assert flops_per_token(cfg, VOCAB, seq, head_fraction=0.2) == 6 * (lang_matmul - head + 0.2 * head) + attn
 
 
 def make_tokenizer(extra_tokens):

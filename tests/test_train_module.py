@@ -306,3 +306,24 @@ def test_compiled_blocks_keep_names_and_match_eager(tmp_path):
     torch.testing.assert_close(losses[1], losses[0], atol=1e-5, rtol=1e-5)
     for (name, a), (_, b) in zip(eager.named_parameters(), compiled.named_parameters()):
         torch.testing.assert_close(b.grad, a.grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_mfu_flops_count_the_lm_head_on_the_positions_that_get_logits(tmp_path):
+    """Telemetry's FLOPs: the LM head (tied or not) counts once per token that gets logits; the trained module
+    runs it on the loss positions only, and a batch reports its loss tokens."""
+    from nanovlm.train.callbacks import batch_stats, model_flops_per_step
+
+    cfg = tiny_cfg(tmp_path)
+    model = tiny_model(cfg)
+    assert model.language.lm_head.weight is model.language.embed_tokens.weight  # MICRO_MODEL ties them
+    head = model.language.lm_head.weight.numel()
+    every = model_flops_per_step(model, real_tokens=100, images=2)
+    some = model_flops_per_step(model, real_tokens=100, images=2, head_tokens=20)
+    assert every - some == 6 * head * 80
+    blocks = sum(m.weight.numel() for m in model.language.layers.modules() if isinstance(m, torch.nn.Linear))
+    assert model_flops_per_step(model, 100, 0, head_tokens=0) == 6 * blocks * 100
+
+    batch = synthetic_batch(0, cfg)
+    assert batch_stats(batch)["loss_tokens"] == 6  # two samples with a 3-token answer
+    assert batch_stats({k: v for k, v in batch.items() if k != "meta"})["loss_tokens"] == 6
+    assert VLMModule(cfg, model=model).head_on_loss_positions

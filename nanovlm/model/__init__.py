@@ -78,12 +78,13 @@ def num_parameters(model: NanoVLM) -> dict[str, int]:
     return counts
 
 
-def _language_matmul_params(model_cfg: ModelConfig, vocab_size: int) -> int:
+def _language_matmul_params(model_cfg: ModelConfig) -> int:
+    """Matmul parameters of the decoder blocks (attention q, k, v, o and the MLP), without the LM head."""
     lm = model_cfg.language
     head_dim = lm.hidden_size // lm.num_heads
     attn = lm.hidden_size * head_dim * (2 * lm.num_heads + 2 * lm.num_kv_heads)  # q, o + k, v
     mlp = 3 * lm.hidden_size * lm.intermediate_size
-    return lm.num_layers * (attn + mlp) + lm.hidden_size * vocab_size  # + LM head (embedding lookup is free)
+    return lm.num_layers * (attn + mlp)
 
 
 def flops_per_image(model_cfg: ModelConfig) -> float:
@@ -102,12 +103,21 @@ def flops_per_image(model_cfg: ModelConfig) -> float:
     return float(vision + 6 * proj * image_token_count(model_cfg))
 
 
-def flops_per_token(model_cfg: ModelConfig, vocab_size: int, seq_len: float, images_per_token: float = 0.0) -> float:
+def flops_per_token(
+    model_cfg: ModelConfig,
+    vocab_size: int,
+    seq_len: float,
+    images_per_token: float = 0.0,
+    head_fraction: float = 1.0,
+) -> float:
     """Training FLOPs per decoder token (the PaLM / nanoGPT MFU convention, forward + backward = 3x forward).
 
-        6 * N + 6 * layers * (num_heads * head_dim) * seq_len  +  images_per_token * flops_per_image(cfg)
+        6 * (N + head_fraction * hidden * vocab) + 6 * layers * (num_heads * head_dim) * seq_len
+            + images_per_token * flops_per_image(cfg)
 
-    N counts the decoder's matmul parameters (attention, MLP, LM head; not the embedding lookup). The attention
+    N counts the decoder blocks' matmul parameters (attention, MLP; not the embedding lookup). The LM head
+    runs on ``head_fraction`` of the tokens: 1 when every position gets logits, loss tokens / tokens when
+    training computes them only where a loss is taken (``NanoVLM.forward(return_logits=False)``). The attention
     term is causal: a token attends to seq_len / 2 keys on average, 2 matmuls x 2 FLOPs each, x3 for training.
     For packed data seq_len is the length a token attends within its own sample: pass
     sum(L_i^2) / sum(L_i) over the samples, not the pack size. ``images_per_token`` (images / tokens in the
@@ -115,7 +125,6 @@ def flops_per_token(model_cfg: ModelConfig, vocab_size: int, seq_len: float, ima
     """
     lm = model_cfg.language
     head_dim = lm.hidden_size // lm.num_heads
-    language = (
-        6 * _language_matmul_params(model_cfg, vocab_size) + 6 * lm.num_layers * lm.num_heads * head_dim * seq_len
-    )
+    matmul = _language_matmul_params(model_cfg) + head_fraction * lm.hidden_size * vocab_size
+    language = 6 * matmul + 6 * lm.num_layers * lm.num_heads * head_dim * seq_len
     return float(language + images_per_token * flops_per_image(model_cfg))

@@ -183,11 +183,13 @@ class LanguageModel(nn.Module):
         max_seqlen: int | None = None,
         attention_mask: torch.Tensor | None = None,
         cache: KVCache | None = None,
+        return_hidden: bool = False,
     ) -> torch.Tensor:
         """inputs_embeds [B, T, hidden], position_ids [B, T] -> logits [B, T, vocab].
 
         Give ``cu_seqlens``/``max_seqlen`` for a packed row, ``attention_mask`` [B, T] for padded rows, ``cache``
-        for generation; with none of them each row is one causal sequence.
+        for generation; with none of them each row is one causal sequence. ``return_hidden`` returns the final
+        normed hidden states [B, T, hidden] instead, for a caller that applies ``lm_head`` to a few positions.
         """
         dev = inputs_embeds.device.type
         dtypes = {inputs_embeds.dtype, *([torch.get_autocast_dtype(dev)] if torch.is_autocast_enabled(dev) else [])}
@@ -207,4 +209,5 @@ class LanguageModel(nn.Module):
             )
         if cache is not None:
             cache.length += inputs_embeds.shape[1]
-        return self.lm_head(self.norm(x))
+        x = self.norm(x)
+        return x if return_hidden else self.lm_head(x)

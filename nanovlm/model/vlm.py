@@ -5,7 +5,8 @@ image i replace the i-th run of placeholders, in order of appearance. A mismatch
 images is an error that names the samples, never a silent misalignment.
 
 ``forward(batch)`` consumes the packed batch of docs/internals.md (or a padded [B, T] batch with
-``attention_mask``) and returns logits and the mean next-token loss over ``labels != -100``.
+``attention_mask``) and returns logits and the mean next-token loss over ``labels != -100``;
+``forward(batch, return_logits=False)`` (training) computes logits only where that loss is taken.
 """
 
 from __future__ import annotations
@@ -22,6 +23,15 @@ from nanovlm.model.projector import Projector
 from nanovlm.model.vision import VisionEncoder
 
 IGNORE_INDEX = -100
+
+
+def loss_rows(labels: torch.Tensor) -> torch.Tensor:
+    """Flat indices into [B * T] of the positions whose next label is a loss token (labels unshifted, [B, T]).
+
+    Position (b, t) predicts labels[b, t + 1]; the last position of a row predicts nothing.
+    """
+    predicts = F.pad(labels[:, 1:] != IGNORE_INDEX, (0, 1), value=False)  # [B, T]
+    return predicts.reshape(-1).nonzero().squeeze(1)  # [N] int64
 
 
 class NanoVLM(nn.Module):
@@ -124,13 +134,19 @@ class NanoVLM(nn.Module):
     # ------------------------------------------------------------------------------------------------------
     # training forward
 
-    def forward(self, batch: dict) -> dict:
+    def forward(self, batch: dict, return_logits: bool = True) -> dict:
         """Packed batch ([1, T] + cu_seqlens) or padded batch ([B, T] + attention_mask) -> loss, logits, n_loss_tokens.
 
         labels are unshifted: logits[:, :-1] predict labels[:, 1:]. loss is the mean cross-entropy over labels
         != -100; a batch without any loss token gives a zero loss that is still part of the graph.
         An optional ``inputs_embeds`` [B, T, hidden] replaces ``embed`` (token embeddings with the projected
         images in place): the vision path is then skipped, e.g. for features cached from a frozen encoder.
+
+        ``return_logits=False`` (training and validation) runs the LM head only on the positions that predict a
+        loss token and returns ``logits`` None: image, prompt and padding positions need no logits. In VLM data
+        those are most positions (85% in the demo data), and the head is a large share of a small decoder's
+        FLOPs (fp32 logits of every position of an 8192-token pack with a 49K vocabulary are 1.6 GB). The loss
+        is the same up to float rounding (the head's GEMM sees fewer rows).
         """
         input_ids = batch["input_ids"]
         cu_seqlens = batch.get("cu_seqlens")
@@ -146,25 +162,36 @@ class NanoVLM(nn.Module):
         max_seqlen = batch.get("max_seqlen")
         if cu_seqlens is not None and max_seqlen is None:
             max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+        labels = batch.get("labels")
+        rows = None
+        if labels is not None and not return_logits:
+            # Found before the forward: the host sync of nonzero() then waits only for the batch's own copy.
+            rows = loss_rows(labels)
         embeds = batch.get("inputs_embeds")  # precomputed [B, T, hidden] (e.g. cached frozen-vision features)
         if embeds is None:
             embeds = self.embed(input_ids, batch.get("pixel_values"), batch.get("sample_keys"), cu_seqlens)
-        logits = self.language(
-            embeds, position_ids, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, attention_mask=attention_mask
+        # logits [B, T, vocab]; with loss rows, the final hidden states [B, T, hidden] (the head comes below)
+        x = self.language(
+            embeds,
+            position_ids,
+            cu_seqlens=cu_seqlens,
+            max_seqlen=max_seqlen,
+            attention_mask=attention_mask,
+            return_hidden=rows is not None,
         )
-        out = {"logits": logits, "loss": None, "n_loss_tokens": None}
-        labels = batch.get("labels")
-        if labels is not None:
-            target = labels[:, 1:]
-            loss_sum = F.cross_entropy(
-                logits[:, :-1].reshape(-1, logits.shape[-1]).float(),
-                target.reshape(-1),
-                ignore_index=IGNORE_INDEX,
-                reduction="sum",
-            )
-            n_loss_tokens = (target != IGNORE_INDEX).sum()
-            out["loss"] = loss_sum / n_loss_tokens.clamp(min=1)  # no host sync; 0 (with a graph) when n == 0
-            out["n_loss_tokens"] = n_loss_tokens
+        out = {"logits": x if rows is None else None, "loss": None, "n_loss_tokens": None}
+        if labels is None:
+            return out
+        if rows is None:  # the head ran on every position: shift, and let ignore_index drop the rest
+            logits = x[:, :-1].reshape(-1, x.shape[-1])  # [B * (T - 1), vocab]
+            target = labels[:, 1:].reshape(-1)
+        else:  # the head on the loss positions only: [N, hidden] -> [N, vocab]
+            logits = self.language.lm_head(x.reshape(-1, x.shape[-1]).index_select(0, rows))
+            target = labels.reshape(-1).index_select(0, rows + 1)  # row r predicts the token after it
+        loss_sum = F.cross_entropy(logits.float(), target, ignore_index=IGNORE_INDEX, reduction="sum")
+        n_loss_tokens = (labels[:, 1:] != IGNORE_INDEX).sum()
+        out["loss"] = loss_sum / n_loss_tokens.clamp(min=1)  # no host sync; 0 (with a graph) when n == 0
+        out["n_loss_tokens"] = n_loss_tokens
         return out
 
     # ------------------------------------------------------------------------------------------------------

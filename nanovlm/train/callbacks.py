@@ -58,7 +58,7 @@ def _world() -> tuple[int, int]:
 
 
 def batch_stats(batch: dict) -> dict[str, float]:
-    """Real (non-padding) tokens, slots, samples and images of one packed batch."""
+    """Real (non-padding) tokens, slots, samples, images and loss tokens of one packed batch."""
     meta = batch.get("meta") or {}
     slots = batch["input_ids"].numel()
     if "real_tokens" in meta:
@@ -68,11 +68,17 @@ def batch_stats(batch: dict) -> dict[str, float]:
     else:
         real = slots
     pixels = batch.get("pixel_values")
+    if "loss_tokens" in meta:
+        loss_tokens = int(meta["loss_tokens"])
+    else:  # labels are unshifted: position t predicts labels[t + 1]
+        labels = batch.get("labels")
+        loss_tokens = 0 if labels is None else int((labels[:, 1:] != -100).sum())
     return {
         "real_tokens": real,
         "slots": slots,
         "samples": len(batch.get("sample_keys", [])),
         "images": 0 if pixels is None else int(pixels.shape[0]),
+        "loss_tokens": loss_tokens,
     }
 
 
@@ -129,23 +135,37 @@ class DataProgress(pl.Callback):
         self._close()
 
 
-def model_flops_per_step(model: torch.nn.Module, real_tokens: float, images: float) -> float:
+def model_flops_per_step(
+    model: torch.nn.Module, real_tokens: float, images: float, head_tokens: float | None = None
+) -> float:
     """Training FLOPs (forward + backward = 6 x dense parameters) for a step with these real tokens and images.
 
-    Uses ``model.flops_per_token`` when the model provides it; otherwise 6 x parameters of the decoder
-    (without the embedding table) per real token, plus 6 x vision-encoder parameters per image patch.
-    Attention's quadratic term is not counted (it is small at these sequence lengths)."""
+    Uses ``model.flops_per_token`` when the model provides it; otherwise 6 x parameters of the decoder blocks
+    (without the embedding table) per real token, 6 x LM-head parameters per token that gets logits
+    (``head_tokens``: the loss tokens when the head runs on loss positions only; default every real token),
+    plus 6 x vision-encoder parameters per image patch. Attention's quadratic term is not counted (it is small
+    at these sequence lengths)."""
     if hasattr(model, "flops_per_token"):
         try:
             return float(model.flops_per_token()) * real_tokens
         except TypeError:
             pass
-    lang = sum(p.numel() for n, p in model.language.named_parameters() if "embed" not in n)
+    lang = sum(  # matrices only: norm weights and biases are not matmuls
+        p.numel()
+        for n, p in model.language.named_parameters()
+        if p.dim() > 1 and not n.startswith(("embed", "lm_head"))
+    )
+    head = model.language.lm_head.weight.numel() if hasattr(model.language, "lm_head") else 0
     vision = sum(p.numel() for p in model.vision.parameters())
     proj = sum(p.numel() for p in model.projector.parameters())
     cfg = model.cfg
     patches = (cfg.vision.image_size // cfg.vision.patch_size) ** 2
-    return 6.0 * (lang * real_tokens + (vision * patches + proj * getattr(model, "image_token_count", 1)) * images)
+    head_tokens = real_tokens if head_tokens is None else head_tokens
+    return 6.0 * (
+        lang * real_tokens
+        + head * head_tokens
+        + (vision * patches + proj * getattr(model, "image_token_count", 1)) * images
+    )
 
 
 class Telemetry(pl.Callback):
@@ -156,7 +176,7 @@ class Telemetry(pl.Callback):
     Data wait = time between the end of one training batch and the start of the next (the loop is waiting
     for the DataLoader), as a fraction of wall time."""
 
-    KEYS = ("real_tokens", "slots", "samples", "images", "wait_s", "loss_sum", "micro")
+    KEYS = ("real_tokens", "slots", "samples", "images", "loss_tokens", "wait_s", "loss_sum", "micro")
 
     def __init__(self, cfg: Config, print_lines: bool = True) -> None:
         self.every = max(1, cfg.trainer.log_every_n_steps)
@@ -222,7 +242,8 @@ class Telemetry(pl.Callback):
         if getattr(pl_module, "last_grad_norm", None) is not None:
             metrics["train/grad_norm"] = pl_module.last_grad_norm
         if self._peak:
-            flops = model_flops_per_step(pl_module.model, t["real_tokens"], t["images"])
+            head = t["loss_tokens"] if getattr(pl_module, "head_on_loss_positions", False) else None
+            flops = model_flops_per_step(pl_module.model, t["real_tokens"], t["images"], head)
             metrics["train/mfu"] = flops / elapsed / (self._peak * 1e12 * world)
         if torch.cuda.is_available() and pl_module.device.type == "cuda":
             metrics["train/peak_mem_gb"] = torch.cuda.max_memory_allocated(pl_module.device) / 1e9
