@@ -15,7 +15,11 @@ from nanovlm.bench.baselines import balanced_greedy_knapsack, flattening_steps
 from nanovlm.bench.common import Stats, percentile
 from nanovlm.bench.distributions import LengthSet, from_index, lognormal, mixture
 from nanovlm.bench.packing_bench import plan_metrics, run_cell
+from nanovlm.bench.train_bench import HEAD_EVERYWHERE
 from nanovlm.cli.benchmark import main
+from nanovlm.config import load_config
+from nanovlm.data.tokenizer import load_tokenizer
+from nanovlm.model import build_model, num_parameters
 
 
 def _groups(plan) -> list[list[int]]:
@@ -161,15 +165,23 @@ def test_quick_all_sections(tmp_path, make_dataset, tiny_tokenizer):
         "--tokenizer",
         str(tmp_path / "tok"),
     ]
+    args += ["--train-samples", "48", "--set", "model.language.num_layers=2"]  # both reach the train section
     assert main([*args, "--reps", "2", "--json", str(out), "--workdir", str(tmp_path / "wd")]) == 0
     doc = json.loads(out.read_text())
     _check_doc(doc, ["packing", "pipeline", "train", "resume"])
+    assert doc["sections"]["train"]["layout"]["samples"] == 48
+    cfg = load_config(["tiny_cpu.yaml"], ["model.language.num_layers=2"])
+    two_layers = num_parameters(build_model(cfg.model, load_tokenizer(str(tmp_path / "tok"))))["total"]
+    assert doc["sections"]["train"]["parameters"] == two_layers
     pipe = doc["sections"]["pipeline"]
     assert [b["workers"] for b in pipe["by_workers"]] == [0, 1, 2]
     assert set(pipe["stage_breakdown"]["us_per_sample"]) == {"read", "decode", "tokenize", "pack"}
     train = doc["sections"]["train"]
     layouts = {"packed", "pad_to_longest", "constrained"}
-    assert set(train["modes"]) == layouts | {"packed (decoder only)", "pad_to_longest (decoder only)"}
+    only = {"packed (decoder only)", "pad_to_longest (decoder only)"}
+    assert set(train["modes"]) == layouts | only | {HEAD_EVERYWHERE}
+    saving = train["loss_position_head"]
+    assert saving["speedup"] > 0 and saving["paired_speedup"]["n"] == 2
     assert train["modes"]["packed"]["fill"] > train["modes"]["pad_to_longest"]["fill"]
     assert train["modes"]["packed (decoder only)"]["fill"] == train["modes"]["packed"]["fill"]  # same batches
     assert train["modes"]["packed"]["launches_per_step"] > 0

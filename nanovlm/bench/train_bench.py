@@ -137,11 +137,14 @@ class ModeRunner:
         seed: int,
         compile_blocks: bool = False,
         decoder_only: bool = False,
+        head_everywhere: bool = False,
     ):
         from nanovlm.model import build_model
         from nanovlm.train.strategies import apply_compile
 
         self.name, self.batches, self.device = name, batches, device
+        # as training does: the LM head on the loss positions only (unless comparing with the head everywhere)
+        self.return_logits = head_everywhere
         torch.manual_seed(seed)
         self.model = build_model(cfg.model, tokenizer).to(device)
         if compile_blocks:  # as trainer.compile does; compilation happens in the (untimed) warm-up
@@ -169,7 +172,7 @@ class ModeRunner:
 
     def step(self, b: dict) -> None:
         with self._autocast():
-            loss = self.model(b)["loss"]
+            loss = self.model(b, return_logits=self.return_logits)["loss"]
         loss.backward()
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
@@ -205,7 +208,7 @@ class ModeRunner:
 
         def fwd_bwd() -> None:
             with self._autocast():
-                loss = self.model(b)["loss"]
+                loss = self.model(b, return_logits=self.return_logits)["loss"]
             loss.backward()
             self._sync()
 
@@ -322,10 +325,25 @@ def _layout_ratio(a: ModeRunner, b: ModeRunner, ideal: float) -> dict[str, Any] 
     }
 
 
+HEAD_EVERYWHERE = "packed, LM head on every position"
+
+
+def _head_saving(ours: ModeRunner, everywhere: ModeRunner) -> dict[str, Any] | None:
+    """Packed training with the LM head on the loss positions only vs on every position (median tokens/s)."""
+    if not ours.rates or not everywhere.rates:
+        return None
+    return {
+        "speedup": statistics.median(ours.rates) / statistics.median(everywhere.rates),
+        "paired_speedup": Stats.of([a / b for a, b in zip(ours.rates, everywhere.rates)]).to_dict(),
+        "peak_memory_mb": ours.peak_extra_mb,
+        "peak_memory_mb_head_everywhere": everywhere.peak_extra_mb,
+    }
+
+
 def pass_flops(cfg: Config, vocab: int, batches: list[dict]) -> float:
-    """Training FLOPs of one pass as the model computes it: every slot (padding included) through the decoder,
-    every image through the vision encoder. Used for an ideal ratio that accounts for the image cost, which
-    does not depend on the layout."""
+    """Training FLOPs of one pass as the model computes it: every slot (padding included) through the decoder
+    blocks, the loss positions through the LM head, every image through the vision encoder. Used for an ideal
+    ratio that accounts for the costs that do not depend on the layout (images, LM head)."""
     from nanovlm.model import flops_per_image, flops_per_token
 
     total = 0.0
@@ -337,7 +355,9 @@ def pass_flops(cfg: Config, vocab: int, batches: list[dict]) -> float:
             seq = sum(x * x for x in segs) / max(1, sum(segs))
         else:  # padded rows: every position of the row is computed
             seq = float(b["input_ids"].shape[1])
-        total += flops_per_token(cfg.model, vocab, seq) * b["input_ids"].numel() + per_image * b["meta"]["n_images"]
+        slots = b["input_ids"].numel()
+        head = b["meta"]["loss_tokens"] / slots  # the LM head runs on the loss positions only
+        total += flops_per_token(cfg.model, vocab, seq, head_fraction=head) * slots + per_image * b["meta"]["n_images"]
     return total
 
 
@@ -348,14 +368,15 @@ def _mfu(cfg: Config, vocab: int, batches: list[dict], tokens_per_s: float, devi
     peak = peak_tflops(cfg.trainer.peak_tflops, device)
     if not peak:
         return None
-    seg_sq = seg = images = 0
+    seg_sq = seg = images = loss_tokens = 0
     for b in batches:
+        loss_tokens += b["meta"]["loss_tokens"]
         cu = b["cu_seqlens"].tolist()
         real = [e - s for s, e in zip(cu[:-1], cu[1:])][: len(b["sample_keys"])]
         seg_sq += sum(x * x for x in real)
         seg += sum(real)
         images += b["meta"]["n_images"]
-    fpt = flops_per_token(cfg.model, vocab, seg_sq / max(1, seg), images / max(1, seg))
+    fpt = flops_per_token(cfg.model, vocab, seg_sq / max(1, seg), images / max(1, seg), loss_tokens / max(1, seg))
     return fpt * tokens_per_s / (peak * 1e12)
 
 
@@ -378,14 +399,16 @@ def run(args: argparse.Namespace, log=print) -> tuple[dict[str, Any], str]:
         ov += [f"data.max_tokens={L}", "data.make_demo_if_missing=false"]
         if device.type == "cuda":
             ov.append("model.attn_backend=auto")
-        cfg = load_config(files, ov)
+        cfg = load_config(files, [*ov, *getattr(args, "set", [])])
     # One factor at a time: the layout. The image cap is raised so that the token budget is what binds
     # (the packing section measures the image cap on its own).
     itc = image_token_count(cfg.model)
     cfg.data.max_images = max(cfg.data.max_images, cfg.data.max_tokens // max(1, itc // 2))
     tokenizer = load_tokenizer(args.tokenizer or cfg.data.tokenizer)
     pad_id = int(tokenizer.pad_token_id or 0)
-    n = (80 if quick else 600) if device.type == "cpu" else (1000 if quick else 4000)
+    n = getattr(args, "train_samples", 0) or (
+        (80 if quick else 600) if device.type == "cpu" else (1000 if quick else 4000)
+    )
     log(f"[train] loading {n} samples for L={cfg.data.max_tokens} on {device}")
     samples = load_samples(cfg, tokenizer, n)
     if not samples:
@@ -400,6 +423,11 @@ def run(args: argparse.Namespace, log=print) -> tuple[dict[str, Any], str]:
         ModeRunner(m, cfg, tokenizer, batches[m], device, args.seed, args.compile)
         for m in ("packed", "pad_to_longest", "constrained")
     ]
+    # The LM head on every position, as a model without loss-position logits computes it (training runs it on
+    # the loss positions only): what that saves, in time and memory
+    layouts.append(
+        ModeRunner(HEAD_EVERYWHERE, cfg, tokenizer, batches["packed"], device, args.seed, args.compile, False, True)
+    )
     # One factor at a time, again: the images encoded once beforehand, so that the layout is the only difference
     layouts += [
         ModeRunner(f"{m} (decoder only)", cfg, tokenizer, batches[m], device, args.seed, args.compile, True)
@@ -436,6 +464,7 @@ def run(args: argparse.Namespace, log=print) -> tuple[dict[str, Any], str]:
         if "real_tokens_per_s" in res:
             res["mfu"] = _mfu(cfg, vocab, batches["packed"], res["real_tokens_per_s"]["median"], device)
     ideal = results["packed"]["fill"] / results["pad_to_longest"]["fill"]
+    head_cmp = _head_saving(by_name["packed"], by_name[HEAD_EVERYWHERE])
     ratio = _layout_ratio(by_name["packed"], by_name["pad_to_longest"], ideal)
     if ratio is not None:
         check = {"ideal_ratio": ideal, **ratio, "target_met": ratio["fraction_of_ideal"] >= 0.9}
@@ -509,6 +538,13 @@ def run(args: argparse.Namespace, log=print) -> tuple[dict[str, Any], str]:
             )
     else:
         md += ["", "No ratio: pad-to-longest or packed did not finish (see the table)."]
+    if head_cmp is not None:
+        md += [
+            "",
+            f"LM head on the loss positions only (what training does) vs on every position: "
+            f"{head_cmp['speedup']:.2f}x real tokens/s (pass by pass {Stats(**head_cmp['paired_speedup']).fmt(2)}x), "
+            f"peak memory {head_cmp['peak_memory_mb']:.0f} vs {head_cmp['peak_memory_mb_head_everywhere']:.0f} MB.",
+        ]
     if backends:
         md += ["", "Attention backends (packed):", ""]
         brow = []
@@ -537,5 +573,6 @@ def run(args: argparse.Namespace, log=print) -> tuple[dict[str, Any], str]:
         "modes": results,
         "backends": backends,
         "ratio_check": check,
+        "loss_position_head": head_cmp,
     }
     return doc, "\n".join(md)

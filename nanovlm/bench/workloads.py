@@ -10,9 +10,10 @@ from nanovlm.config import Config, image_token_count, load_config
 
 
 def bench_config(args: argparse.Namespace, overrides: list[str] | None = None) -> Config:
-    """The config the data/model sections use: ``--config`` files (default tiny_cpu.yaml) plus overrides."""
+    """The config the data/model sections use: ``--config`` files (default tiny_cpu.yaml), the section's
+    overrides, then the user's ``--set`` overrides."""
     files = args.config or ["tiny_cpu.yaml"]
-    return load_config(files, overrides or [])
+    return load_config(files, [*(overrides or []), *getattr(args, "set", [])])
 
 
 def demo_dirs(cfg: Config) -> tuple[list[str], str]:

@@ -40,7 +40,20 @@ def build_parser() -> argparse.ArgumentParser:
         default=0,
         help="samples per synthetic distribution (default 20000; 3000 with --quick)",
     )
+    p.add_argument(
+        "--train-samples",
+        type=int,
+        default=0,
+        help="samples the train section lays out (default 600 on cpu, 4000 on cuda; 80 / 1000 with --quick)",
+    )
     p.add_argument("--config", action="append", default=[], help="config file(s) for the data/model sections")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="config override after the files, as train.py takes them (e.g. model.language.vocab_size=49152)",
+    )
     p.add_argument("--index", action="append", default=[], metavar="DIR", help="dataset dir(s) whose lengths to pack")
     p.add_argument(
         "--data", action="append", default=[], metavar="DIR", help="dataset dir(s) for pipeline/train/resume"
