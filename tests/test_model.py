@@ -79,6 +79,13 @@ def grads(model):
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
+def assert_same_grads(model, got: dict, want: dict, atol: float, rtol: float) -> None:
+    """Every parameter has a gradient in both, and they agree within the tolerance."""
+    assert got.keys() == want.keys() == {n for n, _ in model.named_parameters()}
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], atol=atol, rtol=rtol, msg=name)
+
+
 def test_packed_equals_alone_logits_and_gradients():
     model, items = make_model(), samples()
     packed = pack(items)
@@ -96,10 +103,7 @@ def test_packed_equals_alone_logits_and_gradients():
         total_tokens += int(o["n_loss_tokens"])
         start += n
     assert int(out["n_loss_tokens"]) == total_tokens
-    alone_grads = grads(model)
-    assert packed_grads.keys() == alone_grads.keys() == {n for n, _ in model.named_parameters()}
-    for name in packed_grads:
-        torch.testing.assert_close(packed_grads[name], alone_grads[name], atol=2e-5, rtol=1e-4, msg=name)
+    assert_same_grads(model, packed_grads, grads(model), atol=2e-5, rtol=1e-4)
 
 
 def test_packed_loss_is_mean_over_loss_tokens():
@@ -150,10 +154,7 @@ def test_head_on_loss_positions_only_gives_the_same_loss_and_gradients(layout):
         int(got["n_loss_tokens"]) == int(full["n_loss_tokens"]) == sum(int((s["labels"] != -100).sum()) for s in items)
     )
     torch.testing.assert_close(got["loss"], full["loss"], atol=1e-6, rtol=1e-6)
-    have = grads(model)
-    assert have.keys() == want.keys() == {n for n, _ in model.named_parameters()}
-    for name in want:
-        torch.testing.assert_close(have[name], want[name], atol=1e-6, rtol=1e-5, msg=name)
+    assert_same_grads(model, grads(model), want, atol=1e-6, rtol=1e-5)
 
 
 def test_head_on_loss_positions_without_any_loss_token_is_a_zero_loss_in_the_graph():
@@ -168,13 +169,7 @@ def test_head_on_loss_positions_without_any_loss_token_is_a_zero_loss_in_the_gra
 
 def test_padded_batch_equals_alone():
     model, items = make_model(), samples()
-    width = max(len(s["input_ids"]) for s in items)
-    ids = torch.full((len(items), width), PAD_ID)
-    mask = torch.zeros(len(items), width, dtype=torch.long)
-    for i, s in enumerate(items):
-        ids[i, : len(s["input_ids"])] = s["input_ids"]
-        mask[i, : len(s["input_ids"])] = 1
-    batch = {"input_ids": ids, "attention_mask": mask, "pixel_values": torch.cat([s["pixel_values"] for s in items])}
+    batch = padded(items)
     with torch.no_grad():
         out = model(batch)
         for i, s in enumerate(items):
