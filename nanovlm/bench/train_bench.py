@@ -13,6 +13,9 @@ excluded, over the same batch list ``reps`` times. Reported: real (non-padding) 
 median and p99, peak memory, and the ratio check: packed tokens/s over pad-to-longest tokens/s should
 reach at least 90% of the ideal ratio fill(packed) / fill(pad-to-longest).
 
+Every mode trains as training does, with the LM head on the loss positions only; one more packed mode runs it
+on every position, to show what that saves.
+
 Every layout runs the same images through the vision encoder, so that cost does not shrink with the fill.
 The *decoder only* runs of packed and pad-to-longest isolate the layout: their images are encoded once
 before timing (``inputs_embeds``), and each step trains the decoder alone on those embeddings.
@@ -426,7 +429,9 @@ def run(args: argparse.Namespace, log=print) -> tuple[dict[str, Any], str]:
     # The LM head on every position, as a model without loss-position logits computes it (training runs it on
     # the loss positions only): what that saves, in time and memory
     layouts.append(
-        ModeRunner(HEAD_EVERYWHERE, cfg, tokenizer, batches["packed"], device, args.seed, args.compile, False, True)
+        ModeRunner(
+            HEAD_EVERYWHERE, cfg, tokenizer, batches["packed"], device, args.seed, args.compile, head_everywhere=True
+        )
     )
     # One factor at a time, again: the images encoded once beforehand, so that the layout is the only difference
     layouts += [
