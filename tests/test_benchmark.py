@@ -148,6 +148,14 @@ def test_bad_input_is_a_clear_error(tmp_path, capsys):
     assert "unknown section" in capsys.readouterr().err
     assert main(["--quick", "--sections", "packing", "--index", str(tmp_path)]) == 2
     assert "no index.json" in capsys.readouterr().err
+    # checked before any section runs (packing would otherwise take minutes first)
+    assert main(["--quick", "--set", "model.bogus=1"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown config key 'model.bogus'" in err and "benchmark section" not in err  # no section started
+    assert main(["--quick", "--set", "novalue"]) == 2
+    assert "must look like key=value" in capsys.readouterr().err
+    assert main(["--quick", "--sections", "train", "--train-samples", "-5"]) == 2
+    assert "--train-samples must be >= 1" in capsys.readouterr().err
 
 
 @pytest.mark.slow

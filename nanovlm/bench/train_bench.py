@@ -402,16 +402,14 @@ def run(args: argparse.Namespace, log=print) -> tuple[dict[str, Any], str]:
         ov += [f"data.max_tokens={L}", "data.make_demo_if_missing=false"]
         if device.type == "cuda":
             ov.append("model.attn_backend=auto")
-        cfg = load_config(files, [*ov, *getattr(args, "set", [])])
+        cfg = load_config(files, [*ov, *args.set])
     # One factor at a time: the layout. The image cap is raised so that the token budget is what binds
     # (the packing section measures the image cap on its own).
     itc = image_token_count(cfg.model)
     cfg.data.max_images = max(cfg.data.max_images, cfg.data.max_tokens // max(1, itc // 2))
     tokenizer = load_tokenizer(args.tokenizer or cfg.data.tokenizer)
     pad_id = int(tokenizer.pad_token_id or 0)
-    n = getattr(args, "train_samples", 0) or (
-        (80 if quick else 600) if device.type == "cpu" else (1000 if quick else 4000)
-    )
+    n = args.train_samples or ((80 if quick else 600) if device.type == "cpu" else (1000 if quick else 4000))
     log(f"[train] loading {n} samples for L={cfg.data.max_tokens} on {device}")
     samples = load_samples(cfg, tokenizer, n)
     if not samples:

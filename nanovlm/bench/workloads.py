@@ -13,7 +13,7 @@ def bench_config(args: argparse.Namespace, overrides: list[str] | None = None) -
     """The config the data/model sections use: ``--config`` files (default tiny_cpu.yaml), the section's
     overrides, then the user's ``--set`` overrides."""
     files = args.config or ["tiny_cpu.yaml"]
-    return load_config(files, [*(overrides or []), *getattr(args, "set", [])])
+    return load_config(files, [*(overrides or []), *args.set])
 
 
 def demo_dirs(cfg: Config) -> tuple[list[str], str]:

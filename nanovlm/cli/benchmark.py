@@ -87,6 +87,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.reps < 1:
         print("--reps must be >= 1", file=sys.stderr)
         return 2
+    if args.train_samples < 0:
+        print("--train-samples must be >= 1 (0: the default)", file=sys.stderr)
+        return 2
+    from nanovlm.bench.workloads import bench_config
+    from nanovlm.config import ConfigError
+
+    try:  # a bad --config file or --set override stops here, not after the sections before it have run
+        bench_config(args)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     t_start = time.perf_counter()
     doc: dict[str, Any] = {
         "command": " ".join(["python scripts/benchmark.py", *(argv if argv is not None else sys.argv[1:])]),

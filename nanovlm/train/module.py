@@ -66,7 +66,6 @@ class VLMModule(pl.LightningModule):
         optim.apply_freezing(self.model, cfg.optim)
         # NanoVLM runs the LM head only where a loss is taken; a custom model without that option still works
         self.head_on_loss_positions = "return_logits" in inspect.signature(self.model.forward).parameters
-        self._loss_kwargs = {"return_logits": False} if self.head_on_loss_positions else {}
         self.schedule = optim.Schedule.from_config(cfg.optim, cfg.trainer.max_steps)
         self.last_loss: torch.Tensor | None = None  # loss of the latest micro-batch (for telemetry / steps.jsonl)
         self.last_grad_norm: float | None = None
@@ -92,8 +91,11 @@ class VLMModule(pl.LightningModule):
         return optim.build_optimizer(self.model, self.cfg.optim)
 
     # -- training ---------------------------------------------------------------------------------------------
+    def _loss_forward(self, batch: dict) -> dict:
+        return self.model(batch, return_logits=False) if self.head_on_loss_positions else self.model(batch)
+
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
-        out = self.model(batch, **self._loss_kwargs)
+        out = self._loss_forward(batch)
         loss = out["loss"]
         self.last_loss = loss.detach()
         self.log("loss", self.last_loss, prog_bar=True, logger=False)
@@ -118,7 +120,7 @@ class VLMModule(pl.LightningModule):
         self._val_tokens = torch.zeros((), dtype=torch.float64, device=self.device)
 
     def validation_step(self, batch: dict, batch_idx: int) -> None:
-        out = self.model(batch, **self._loss_kwargs)
+        out = self._loss_forward(batch)
         n = out["n_loss_tokens"].to(torch.float64)
         self._val_sum += out["loss"].detach().to(torch.float64) * n
         self._val_tokens += n
