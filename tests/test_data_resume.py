@@ -92,6 +92,26 @@ def test_elastic_resume_loses_and_repeats_nothing(data, tiny_tokenizer, old, new
     assert sorted(seen + carry) == all_keys(data / "a", data / "b")  # nothing lost (carry opens epoch 1)
 
 
+def test_elastic_resume_at_the_end_of_an_epoch_onto_more_slots(data, tiny_tokenizer):
+    """One pack left in the epoch, resumed on 4 ranks x 2 workers: the rest cannot give 8 slots a batch each,
+    so it opens the next epoch (it used to be a PlanError that made the checkpoint unusable on that topology)."""
+    old_cfg = make_cfg([data / "b"], num_workers=0, max_tokens=160)
+    new_cfg = make_cfg([data / "b"], num_workers=2, max_tokens=160)
+    dm = make_dm(old_cfg, tiny_tokenizer)
+    n = dm.current_plan().batches_per_rank()
+    first = [k for b in take(dm, n - 1) for k in b["sample_keys"]]
+    left = sorted(set(all_keys(data / "b")) - set(first))
+    assert 0 < len(left) < 8
+    state = dm.state_dict()
+    dms = [make_dm(new_cfg, tiny_tokenizer, r, 4) for r in range(4)]
+    for d in dms:
+        d.load_state_dict(state)
+        assert (d._pos.epoch, d._pos.consumed) == (1, 0)
+        assert sorted(d.table.keys[g] for g in d._pos.carry_in) == left  # nothing lost, nothing repeated
+    batch = take(dms[0], 1)[0]  # the stream starts at epoch 1, batch 0, and the position accepts it
+    assert (batch["meta"]["epoch"], batch["meta"]["index"]) == (1, 0) and dms[0]._pos.consumed == 1
+
+
 def test_changed_seed_or_data_is_refused(data, tiny_tokenizer):
     cfg = make_cfg([data / "a"])
     dm = make_dm(cfg, tiny_tokenizer)

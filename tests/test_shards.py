@@ -11,6 +11,7 @@ from nanovlm.data.shards import (
     SampleTable,
     Segment,
     Topology,
+    balanced_chunks,
     build_epoch_plan,
     epoch_order,
     plan_order,
@@ -108,6 +109,67 @@ def test_plan_refuses_too_many_slots():
     t = make_table([[3]])
     with pytest.raises(PlanError, match="at least one batch"):
         plan_order(t, SPEC, Topology(4, 2), epoch_order(t, 0, 0))
+
+
+def test_balanced_chunks_give_every_slot_a_sample():
+    # a long sample next to short ones used to pull two boundaries onto the same place
+    assert balanced_chunks(np.array([10, 100]), 2).tolist() == [0, 1, 2]
+    assert balanced_chunks(np.array([10, 10, 100]), 3).tolist() == [0, 1, 2, 3]
+    assert balanced_chunks(np.array([1, 1, 100, 1, 1]), 3).tolist() == [0, 3, 4, 5]
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        n_slots = int(rng.integers(1, 9))
+        tokens = rng.lognormal(3, 1.5, int(rng.integers(n_slots, 30))).astype(np.int64) + 1
+        b = balanced_chunks(tokens, n_slots)
+        assert b[0] == 0 and b[-1] == len(tokens) and (np.diff(b) >= 1).all()
+    assert balanced_chunks(np.array([5]), 3).tolist() == [0, 1, 1, 1]  # fewer samples than slots: some get none
+
+
+def test_plan_of_an_epoch_without_samples_is_an_error_not_a_hang():
+    t = make_table([[4]])
+    order = epoch_order(t, 0, 0, weights=[0.0])
+    assert len(order) == 0
+    with pytest.raises(PlanError, match="no samples to train on.*train_weights"):
+        plan_order(t, SPEC, Topology(1, 0), order)
+    assert plan_order(t, SPEC, Topology(1, 0), order, finite=True).packs_per_slot == 0  # an empty validation set
+
+
+def test_plan_error_names_the_skips_when_they_are_the_cause():
+    t = make_table([[6]], max_text=300)
+    spec = PackSpec(max_tokens=4, max_images=8)  # every sample is longer than the budget
+    with pytest.raises(PlanError, match="overlength=6.*raise data.max_tokens or set data.overlength=truncate"):
+        plan_order(t, spec, Topology(1, 0), epoch_order(t, 0, 0))
+
+
+@pytest.mark.parametrize("world_size,workers", [(1, 2), (2, 2), (3, 1)])
+def test_finite_plan_tops_slots_up_with_empty_packs_instead_of_cutting(world_size, workers):
+    t = make_table(UNEVEN)
+    order = epoch_order(t, 0, 0, shuffle=False)
+    plan = plan_order(t, SPEC, Topology(world_size, workers), order, finite=True)
+    assert plan.carry_out.size == 0
+    check_partition(plan, t)  # every position packed once (or skipped), nothing carried
+    per_slot = [[len(plan.pack(s, k)) for k in range(plan.packs_per_slot)] for s in range(plan.topology.num_slots)]
+    assert max(sum(1 for n in slot if n) for slot in per_slot) == plan.packs_per_slot
+    # where a training plan of the same order cuts (and carries) packs, this one tops the short slots up instead
+    cut = plan_order(t, SPEC, Topology(world_size, workers), order)
+    assert any(0 in slot for slot in per_slot) == (cut.carry_out.size > 0)
+    if (world_size, workers) == (3, 1):
+        assert cut.carry_out.size > 0
+
+
+def test_elastic_replan_of_a_small_remainder_ends_the_epoch():
+    """A new topology with more slots than the rest of the epoch can fill: the rest opens the next epoch."""
+    t = make_table([[12]])
+    old = build_epoch_plan(t, SPEC, Topology(1, 0), seed=0, epoch=3, shuffle_buffer=4)
+    consumed = old.batches_per_rank() - 1
+    left = old.order[old.pack(0, consumed)].tolist() + old.carry_out.tolist()
+    assert 0 < len(left) < 8
+    rest = build_epoch_plan(t, SPEC, Topology(4, 2), seed=0, epoch=3, history=[Segment(1, 0, consumed)])
+    assert rest.packs_per_slot == 0 and sorted(rest.carry_out.tolist()) == sorted(left)
+    nxt = build_epoch_plan(t, SPEC, Topology(4, 2), seed=0, epoch=4, carry_in=rest.carry_out)
+    check_partition(nxt, t)
+    with pytest.raises(PlanError):  # the same remainder as a fresh plan (no history) is still an error
+        plan_order(t, SPEC, Topology(4, 2), rest.order, epoch=3)
 
 
 def test_padded_modes_plan_fixed_batches():

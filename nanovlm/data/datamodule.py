@@ -87,7 +87,7 @@ class _StreamSpec:
     weights: tuple[float, ...]
     shuffle_buffer: int
     shuffle: bool
-    finite: bool  # validation: one epoch (epoch 0), no carry
+    finite: bool  # validation: one pass of epoch 0, every sample once (short slots get empty packs), no carry
     processor: SampleProcessor
     pad_id: int
     image_size: int
@@ -106,6 +106,7 @@ class _StreamSpec:
             self.weights,
             self.shuffle_buffer,
             self.shuffle,
+            self.finite,
         )
 
 
@@ -622,6 +623,10 @@ class PackedMultimodalDataModule(L.LightningDataModule):
                 state["num_workers"],
             )
         self._pos = _Position(epoch, consumed, carry, history)
+        if history and self.current_plan().packs_per_slot == 0:
+            # too little of the epoch is left to give every new slot a batch: end it, the rest opens the next
+            log.info("data: the rest of epoch %d is too small for the new topology; it opens epoch %d", epoch, epoch + 1)
+            self._pos = _Position(epoch + 1, 0, self.current_plan().carry_out, ())
         self._epoch_skips = Counter()
         self._total_skips = Counter()
         mine = [r for r in ranks if r["rank"] == self.rank] if same else ([] if self.rank else ranks)

@@ -197,11 +197,20 @@ def epoch_order(
 
 
 def balanced_chunks(tokens: np.ndarray, num_slots: int) -> np.ndarray:
-    """Boundaries [num_slots + 1] of contiguous chunks with (nearly) equal token sums."""
+    """Boundaries [num_slots + 1] of contiguous chunks with (nearly) equal token sums.
+
+    With at least as many samples as slots every chunk gets one or more samples: a long sample next to short
+    ones would otherwise pull two boundaries onto the same place and leave a slot with nothing to pack.
+    """
+    n = len(tokens)
     cum = np.concatenate([[0], np.cumsum(tokens, dtype=np.int64)])
     targets = cum[-1] * np.arange(1, num_slots) / num_slots
-    inner = np.searchsorted(cum, targets, side="left")
-    return np.concatenate([[0], np.clip(inner, 0, len(tokens)), [len(tokens)]]).astype(np.int64)
+    inner = np.clip(np.searchsorted(cum, targets, side="left"), 0, n)
+    if n >= num_slots > 1:
+        i = np.arange(1, num_slots)
+        inner = i + np.maximum.accumulate(inner - i)  # strictly increasing: boundary i >= boundary i-1 + 1
+        inner = np.minimum(inner, n - num_slots + i)  # and room left for one sample per later slot
+    return np.concatenate([[0], inner, [n]]).astype(np.int64)
 
 
 @dataclass
@@ -256,9 +265,30 @@ class EpochPlan:
         return np.concatenate(out) if out else np.zeros(0, np.int64)
 
 
-def plan_order(table: SampleTable, spec: PackSpec, topology: Topology, order: np.ndarray, epoch: int = 0) -> EpochPlan:
-    """Split ``order`` over the topology's slots balanced by tokens, pack each slot, cut all to K packs."""
+def plan_order(
+    table: SampleTable,
+    spec: PackSpec,
+    topology: Topology,
+    order: np.ndarray,
+    epoch: int = 0,
+    *,
+    finite: bool = False,
+    remainder: bool = False,
+) -> EpochPlan:
+    """Split ``order`` over the topology's slots balanced by tokens, pack each slot, cut all to K packs.
+
+    ``finite`` (validation: one pass, nothing carried): no slot is cut; slots with fewer packs are topped up
+    with empty packs (all padding, no loss) to the longest slot's count, so every sample is evaluated exactly
+    once whatever the topology, and ranks still step together.
+    ``remainder`` (the rest of an epoch, re-planned for a new topology): when some slot would get no pack, the
+    epoch ends here (K = 0) and all of the remaining order opens the next epoch, instead of an error.
+    """
     n_slots = topology.num_slots
+    if not len(order) and not (finite or remainder):
+        raise PlanError(
+            f"epoch {epoch} has no samples to train on: the data.train directories hold no samples, or "
+            "data.train_weights round every directory down to zero samples"
+        )
     lengths = table.length[order]
     n_images = table.n_images[order]
     bounds = balanced_chunks(np.minimum(lengths, spec.max_tokens), n_slots)
@@ -274,13 +304,28 @@ def plan_order(table: SampleTable, spec: PackSpec, topology: Topology, order: np
         for reason, idx in res.skipped.items():
             skipped.setdefault(reason, []).append(np.asarray(idx, np.int64) + lo)
         per_slot.append([np.asarray(p, np.int64) + lo for p in res.packs])
-    k = min(len(p) for p in per_slot) if per_slot else 0
-    if k == 0 and len(order):
-        raise PlanError(
-            f"epoch {epoch}: {len(order)} samples cannot give every one of the {n_slots} slots "
-            f"(world_size={topology.world_size} x workers={topology.slots_per_rank}) at least one batch; "
-            "use fewer data.num_workers or ranks, a smaller data.max_tokens, or more data"
-        )
+    skips = {r: np.concatenate(v) for r, v in skipped.items()}
+    if finite:
+        k = max((len(p) for p in per_slot), default=0)
+        per_slot = [slot + [np.zeros(0, np.int64)] * (k - len(slot)) for slot in per_slot]
+    else:
+        k = min(len(p) for p in per_slot) if per_slot else 0
+    if k == 0 and len(order) and not finite:
+        if remainder:  # too little left for the new slots: the epoch ends, the rest opens the next one
+            return EpochPlan(
+                epoch=epoch,
+                topology=topology,
+                order=order,
+                packs_per_slot=0,
+                pack_items=np.zeros(0, np.int64),
+                pack_start=np.zeros(1, np.int64),
+                lengths=eff,
+                carry_out=order.copy(),  # skips included: the next epoch plans and reports them
+                skipped={},
+                truncated=0,
+                slot_bounds=bounds,
+            )
+        raise PlanError(_no_pack_message(epoch, len(order), topology, skips))
     kept = [p for slot in per_slot for p in slot[:k]]
     cut = [p for slot in per_slot for p in slot[k:]]
     sizes = np.array([len(p) for p in kept], np.int64)
@@ -294,9 +339,35 @@ def plan_order(table: SampleTable, spec: PackSpec, topology: Topology, order: np
         pack_start=np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64),
         lengths=eff,
         carry_out=order[carry_pos],
-        skipped={r: np.concatenate(v) for r, v in skipped.items()},
+        skipped=skips,
         truncated=truncated,
         slot_bounds=bounds,
+    )
+
+
+def _no_pack_message(epoch: int, n: int, topology: Topology, skips: dict[str, np.ndarray]) -> str:
+    """Why some slot got no pack, with the fix that applies: the skips when they are the cause."""
+    where = (
+        f"every one of the {topology.num_slots} slots (world_size={topology.world_size} x "
+        f"workers={topology.slots_per_rank})"
+    )
+    n_skipped = sum(len(p) for p in skips.values())
+    if n_skipped * 2 >= n:
+        reasons = ", ".join(f"{r}={len(p)}" for r, p in sorted(skips.items()))
+        fixes = []
+        if "overlength" in skips:
+            fixes.append("raise data.max_tokens or set data.overlength=truncate")
+        if "too_many_images" in skips:
+            fixes.append("raise data.max_images")
+        if "empty" in skips:
+            fixes.append("re-prepare the data: its index has samples without tokens")
+        return (
+            f"epoch {epoch}: {n_skipped} of its {n} samples cannot be packed ({reasons}), so the rest cannot give "
+            f"{where} a batch; " + "; ".join(fixes or ["check the data"])
+        )
+    return (
+        f"epoch {epoch}: {n} samples cannot give {where} at least one batch; use fewer data.num_workers or ranks, "
+        "a smaller data.max_tokens, or more data"
     )
 
 
@@ -320,12 +391,14 @@ def build_epoch_plan(
     weights: Sequence[float] = (),
     shuffle_buffer: int = 256,
     shuffle: bool = True,
+    finite: bool = False,
 ) -> EpochPlan:
-    """The plan of ``epoch`` for ``topology``.
+    """The plan of ``epoch`` for ``topology`` (``finite``: one validation pass, see ``plan_order``).
 
     ``history`` lists the parts of this epoch consumed under earlier topologies: each is re-planned in turn
     and the samples of its consumed packs (and the samples it skipped) are removed, so the returned plan
-    covers exactly what remains, split over the new topology.
+    covers exactly what remains, split over the new topology. When too little remains to give every new slot
+    a pack, the plan has no packs (K = 0) and carries all of the remainder into the next epoch.
     """
     fresh = epoch_order(table, seed, epoch, weights, shuffle_buffer, shuffle)
     order = np.concatenate([np.asarray(carry_in, np.int64), fresh])
@@ -335,4 +408,4 @@ def build_epoch_plan(
         keep = np.ones(len(order), bool)
         keep[np.concatenate(gone)] = False
         order = order[keep]
-    return plan_order(table, spec, topology, order, epoch)
+    return plan_order(table, spec, topology, order, epoch, finite=finite, remainder=bool(history))
