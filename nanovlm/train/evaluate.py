@@ -9,6 +9,7 @@ demo data), else the accuracy of always answering the most common expected answe
 
 from __future__ import annotations
 
+import logging
 import re
 from collections import Counter
 from typing import Any
@@ -17,13 +18,19 @@ import torch
 
 from nanovlm.config import Config, image_token_count
 
+log = logging.getLogger(__name__)
+
 
 def normalize_answer(text: str) -> str:
     return re.sub(r"^[\W_]+|[\W_]+$", "", text.strip().lower())
 
 
-def iter_answered_records(directories: list[str], limit: int):
-    """The first ``limit`` records with an ``answer`` across ``directories``, in index order."""
+def iter_answered_records(directories: list[str], limit: int, skips: Counter | None = None):
+    """The first ``limit`` records with an ``answer`` across ``directories``, in index order.
+
+    A record that cannot be read is logged and counted in ``skips`` (by reason), as the validation loader does.
+    """
+    from nanovlm.data.format import SampleError
     from nanovlm.data.index import load_index
     from nanovlm.data.reader import ShardReader
 
@@ -35,7 +42,11 @@ def iter_answered_records(directories: list[str], limit: int):
             for shard in idx.shards:
                 path = str(idx.root / shard.name)
                 for key, off, nb in zip(shard.keys, shard.offsets, shard.nbytes):
-                    record = reader.read(path, off, nb, key)
+                    try:
+                        record = reader.read(path, off, nb, key)
+                    except SampleError as e:
+                        _skip(skips, e, f"{key} ({path})")
+                        continue
                     if "answer" not in record.extra or record.messages[-1]["role"] != "assistant":
                         continue
                     yield record
@@ -46,35 +57,60 @@ def iter_answered_records(directories: list[str], limit: int):
         reader.close()
 
 
+def _skip(skips: Counter | None, err: Exception, where: str) -> None:
+    log.warning("[eval] skipped sample %s: %s", where, err)
+    if skips is not None:
+        skips[getattr(err, "reason", type(err).__name__)] += 1
+
+
+def _question(messages: list[dict]) -> str:
+    """The last user turn before the answer ('' when the conversation has none)."""
+    user = [m["content"] for m in messages[:-1] if m["role"] == "user"]
+    return user[-1].replace("<image>", "").strip() if user else ""
+
+
 @torch.no_grad()
 def evaluate_answers(
     model: torch.nn.Module, tokenizer: Any, cfg: Config, directories: list[str], limit: int, max_new_tokens: int = 8
 ) -> dict[str, Any]:
-    """Greedy-decode the final answer of up to ``limit`` held-out samples. Returns accuracy, chance and rows."""
+    """Greedy-decode the final answer of up to ``limit`` held-out samples. Returns accuracy, chance and rows.
+
+    Samples that cannot be read or processed (e.g. an unreadable image) are skipped, logged and counted in
+    ``skipped`` (by reason), as the validation loader skips them.
+    """
+    from nanovlm.data.format import SampleError
     from nanovlm.data.processing import SampleProcessor
     from nanovlm.data.tokenizer import IM_END
 
     processor = SampleProcessor(
-        tokenizer, cfg.model.vision.image_size, image_token_count(cfg.model), cfg.data.image_resize
+        tokenizer,
+        cfg.model.vision.image_size,
+        image_token_count(cfg.model),
+        cfg.data.image_resize,
+        cfg.data.max_image_pixels,
     )
     eos = tokenizer.convert_tokens_to_ids(IM_END)
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
     rows = []
+    skipped: Counter = Counter()
     try:
-        for record in iter_answered_records(directories, limit):
-            prompt = torch.tensor([processor.prompt_ids(record.messages[:-1])], device=device)
-            pixels = processor.images(record.images, record.key).to(device) if record.images else None
+        for record in iter_answered_records(directories, limit, skipped):
+            try:
+                prompt = torch.tensor([processor.prompt_ids(record.messages[:-1])], device=device)
+                pixels = processor.images(record.images, record.key).to(device) if record.images else None
+            except SampleError as e:
+                _skip(skipped, e, record.key)
+                continue
             new = model.generate(prompt, pixels, max_new_tokens=max_new_tokens, eos_token_id=eos)[0].tolist()
             text = tokenizer.decode([t for t in new if t != eos], skip_special_tokens=True)
             expected = str(record.extra["answer"])
-            question = record.messages[-2]["content"].replace("<image>", "").strip()
             rows.append(
                 {
                     "key": record.key,
                     "task": record.extra.get("task"),
-                    "question": question,
+                    "question": _question(record.messages),
                     "expected": expected,
                     "generated": text.strip(),
                     "correct": normalize_answer(text) == normalize_answer(expected),
@@ -84,7 +120,7 @@ def evaluate_answers(
         model.train(was_training)
     n = len(rows)
     accuracy = sum(r["correct"] for r in rows) / n if n else 0.0
-    return {"n": n, "accuracy": accuracy, "chance": chance_level(rows), "rows": rows}
+    return {"n": n, "accuracy": accuracy, "chance": chance_level(rows), "rows": rows, "skipped": dict(skipped)}
 
 
 def chance_level(rows: list[dict]) -> float | None:
@@ -100,13 +136,21 @@ def chance_level(rows: list[dict]) -> float | None:
 
 
 def format_report(result: dict[str, Any], examples: int = 6) -> str:
-    rows = result["rows"]
+    rows, skipped = result["rows"], result.get("skipped") or {}
+    skip_note = (
+        f"; skipped {sum(skipped.values())} unusable samples ("
+        + ", ".join(f"{r}={n}" for r, n in sorted(skipped.items()))
+        + ")"
+        if skipped
+        else ""
+    )
     if not rows:
-        return "[eval] no held-out samples with an 'answer' field: skipped"
+        return "[eval] no held-out samples with an 'answer' field: skipped" + skip_note
     chance = result["chance"]
     lines = [
         f"[eval] held-out answer accuracy: {result['accuracy']:.1%} on {result['n']} samples"
         + (f" (chance {chance:.1%})" if chance is not None else "")
+        + skip_note
     ]
     by_task: dict[str, list[bool]] = {}
     for r in rows:
