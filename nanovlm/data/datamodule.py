@@ -625,7 +625,9 @@ class PackedMultimodalDataModule(L.LightningDataModule):
         self._pos = _Position(epoch, consumed, carry, history)
         if history and self.current_plan().packs_per_slot == 0:
             # too little of the epoch is left to give every new slot a batch: end it, the rest opens the next
-            log.info("data: the rest of epoch %d is too small for the new topology; it opens epoch %d", epoch, epoch + 1)
+            log.info(
+                "data: the rest of epoch %d is too small for the new topology; it opens epoch %d", epoch, epoch + 1
+            )
             self._pos = _Position(epoch + 1, 0, self.current_plan().carry_out, ())
         self._epoch_skips = Counter()
         self._total_skips = Counter()
