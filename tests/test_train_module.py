@@ -327,3 +327,62 @@ def test_mfu_flops_count_the_lm_head_on_the_positions_that_get_logits(tmp_path):
     assert batch_stats(batch)["loss_tokens"] == 6  # two samples with a 3-token answer
     assert batch_stats({k: v for k, v in batch.items() if k != "meta"})["loss_tokens"] == 6
     assert VLMModule(cfg, model=model).head_on_loss_positions
+
+
+def _telemetry_rank(rank: int, port: int, skips: dict, out: Path) -> None:
+    """One rank of a 2-process gloo group logging one telemetry interval with a stand-in trainer and module."""
+    import os
+    import traceback
+    from types import SimpleNamespace
+
+    from nanovlm.train.callbacks import Telemetry
+
+    class Logger:
+        rows: list = []
+
+        def log_metrics(self, metrics, step):
+            self.rows.append(metrics)
+
+    try:
+        torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+        tel = Telemetry(load_config(["tiny_cpu.yaml"]), print_lines=False)
+        tel._peak = None
+        datamodule = SimpleNamespace(telemetry=lambda: {"epoch": 0, "skips_by_reason": skips[rank]})
+        optimizer = SimpleNamespace(param_groups=[{"name": "language", "lr": 1e-3}])
+        logger = Logger()
+        trainer = SimpleNamespace(
+            optimizers=[optimizer], datamodule=datamodule, is_global_zero=rank == 0, loggers=[logger]
+        )
+        trainer.progress_bar_callback, trainer.max_steps = None, 10
+        module = SimpleNamespace(device=torch.device("cpu"), last_grad_norm=None, log_dict=lambda *a, **k: None)
+        tel.acc.update(micro=1, loss_sum=1.0, slots=10, real_tokens=5)
+        tel._log(trainer, module, 1)
+        if rank == 0:
+            out.write_text(json.dumps(logger.rows))
+        torch.distributed.destroy_process_group()
+    except BaseException:
+        (out.parent / f"error{rank}.txt").write_text(traceback.format_exc())
+        os._exit(1)
+    os._exit(0)
+
+
+@pytest.mark.distributed
+def test_skipped_samples_metric_sums_every_rank(tmp_path):
+    """``train/skipped_samples`` counts the skips of all ranks, like the other summed metrics (it was rank 0's)."""
+    import multiprocessing as mp
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    skips = {0: {"overlength": 1}, 1: {"unreadable_image": 5, "overlength": 2}}
+    ctx = mp.get_context("fork")
+    procs = [ctx.Process(target=_telemetry_rank, args=(r, port, skips, tmp_path / "rows.json")) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+    errors = [f.read_text() for f in tmp_path.glob("error*.txt")]
+    assert not errors and all(p.exitcode == 0 for p in procs), errors
+    rows = json.loads((tmp_path / "rows.json").read_text())
+    assert rows[0]["train/skipped_samples"] == 8.0 and rows[0]["train/tokens_per_s"] > 0

@@ -223,11 +223,16 @@ class Telemetry(pl.Callback):
 
     def _log(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int) -> None:
         elapsed = max(time.perf_counter() - self.t0, 1e-9)
-        totals = torch.tensor([self.acc[k] for k in self.KEYS], dtype=torch.float64, device=pl_module.device)
+        dm = trainer.datamodule
+        dt = dm.telemetry() if dm is not None and hasattr(dm, "telemetry") else {}
+        skipped = float(sum((dt.get("skips_by_reason") or {}).values()))  # this rank's; summed with the rest
+        values = [self.acc[k] for k in self.KEYS] + [skipped]
+        totals = torch.tensor(values, dtype=torch.float64, device=pl_module.device)
         _, world = _world()
         if world > 1:
             dist.all_reduce(totals)
-        t = dict(zip(self.KEYS, totals.tolist()))
+        *summed, skipped = totals.tolist()
+        t = dict(zip(self.KEYS, summed))
         optimizer = trainer.optimizers[0]
         lang_group = next((g for g in optimizer.param_groups if g["name"].startswith("language")), None)
         group = lang_group or optimizer.param_groups[0]
@@ -249,13 +254,10 @@ class Telemetry(pl.Callback):
             metrics["train/peak_mem_gb"] = torch.cuda.max_memory_allocated(pl_module.device) / 1e9
         else:  # CPU: peak resident memory of this process
             metrics["train/peak_mem_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6
-        dm = trainer.datamodule
-        if dm is not None and hasattr(dm, "telemetry"):
-            dt = dm.telemetry()
+        if dt:
             if "epoch" in dt:
                 metrics["train/data_epoch"] = float(dt["epoch"])
-            skips = dt.get("skips_by_reason") or {}
-            metrics["train/skipped_samples"] = float(sum(skips.values()))
+            metrics["train/skipped_samples"] = skipped
         if trainer.is_global_zero:
             self.history.append({"step": step, **metrics})
             for logger in trainer.loggers:
