@@ -264,6 +264,13 @@ def _check_values(cfg: Config) -> None:
         raise ConfigError("hidden sizes must divide by head counts, and language.num_heads by num_kv_heads")
     if cfg.data.max_tokens <= 0 or cfg.data.max_images <= 0:
         raise ConfigError("data.max_tokens and data.max_images must be positive")
+    if cfg.data.max_tokens > lm.max_position_embeddings:
+        raise ConfigError(
+            f"data.max_tokens={cfg.data.max_tokens} exceeds model.language.max_position_embeddings="
+            f"{lm.max_position_embeddings}: a sample may be that long, and its positions would go beyond what the "
+            "decoder is configured for (a pretrained one was trained up to its own value); lower data.max_tokens "
+            "or raise model.language.max_position_embeddings"
+        )
     if cfg.data.train_weights and len(cfg.data.train_weights) != len(cfg.data.train):
         raise ConfigError("data.train_weights must have one weight per data.train directory (or be empty)")
     if cfg.checkpoint.resume not in {"auto", "none"} and not cfg.checkpoint.resume:

@@ -108,6 +108,10 @@ def test_bad_choice_and_shapes_are_rejected():
         load_config([], ["trainer.max_steps"])
     with pytest.raises(ConfigError, match="not found"):
         load_config(["no_such_file.yaml"])
+    # a pack can hold one sample of max_tokens tokens: its positions must stay within the decoder's
+    with pytest.raises(ConfigError, match="data.max_tokens=4096 exceeds model.language.max_position_embeddings=2048"):
+        load_config(["tiny_cpu.yaml"], ["data.max_tokens=4096"])
+    assert load_config(["tiny_cpu.yaml"], ["data.max_tokens=2048"]).data.max_tokens == 2048
 
 
 def test_resolved_config_round_trips_through_run_dir(tmp_path: Path):

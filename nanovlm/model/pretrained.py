@@ -218,6 +218,16 @@ def load_language_weights(language: nn.Module, name_or_path: str) -> None:
         },
         "Set model.language.* to the checkpoint's values (configs/model_222m.yaml fits HuggingFaceTB/SmolLM2-135M).",
     )
+    ckpt_positions = getattr(hf, "max_position_embeddings", None)
+    if ckpt_positions and cfg.max_position_embeddings > ckpt_positions:
+        log.warning(
+            "model.language.max_position_embeddings=%d exceeds %s's %d: samples longer than %d tokens put the "
+            "decoder at positions it was not trained on",
+            cfg.max_position_embeddings,
+            name_or_path,
+            ckpt_positions,
+            ckpt_positions,
+        )
     tied_ckpt = bool(getattr(hf, "tie_word_embeddings", False))
     if cfg.tie_embeddings and not tied_ckpt:
         raise CheckpointMismatchError(
