@@ -34,6 +34,13 @@ def test_bad_value_and_missing_config_file_exit_2():
     assert proc.returncode == 2 and "no_such.yaml" in proc.stderr
 
 
+def test_data_that_cannot_be_planned_exits_2_naming_the_fix(small_demo, tmp_path):  # noqa: F811
+    cmd = train_cmd(small_demo, tmp_path / "run", "data.train_weights=[0.0]", "trainer.max_steps=1")
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=TIMEOUT)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert "error: PlanError: epoch 0 has no samples to train on" in proc.stderr and "data.train_weights" in proc.stderr
+
+
 def test_print_config_is_the_resolved_config():
     proc = train_script("--print-config", "trainer.max_steps=7", "optim.lr=0.01")
     assert proc.returncode == 0, proc.stderr

@@ -64,13 +64,16 @@ def main(argv: Sequence[str] | None = None, default_configs: Sequence[str] = (DE
         print(to_yaml(cfg), end="")
         return 0
 
+    from nanovlm.data.datamodule import DataMismatchError, DataStateError
+    from nanovlm.data.shards import PlanError
     from nanovlm.train.checkpoint import CheckpointModelMismatchError
     from nanovlm.train.run import train  # heavy imports only after the config is known to be valid
 
     try:
         result = train(cfg, config_files=list(files))
-    except CheckpointModelMismatchError as e:  # a user error with a complete message: no traceback
-        print(f"error: {e}", file=sys.stderr)
+    except (CheckpointModelMismatchError, PlanError, DataStateError, DataMismatchError) as e:
+        # user errors whose message names the problem and the fix: no traceback
+        print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
         return 2
     if result.preempted:
         print(
