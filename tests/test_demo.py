@@ -125,3 +125,25 @@ def test_default_size_is_fast_and_long_tailed(tmp_path):
     n_img = np.array([n for s in idx.shards for n in s.n_images])
     assert set(n_img.tolist()) == {0, 1, 2}
     assert np.percentile(tokens, 50) < 60 and tokens.max() > 200  # short median, long tail
+
+
+def test_train_builds_only_the_demo_paths(tmp_path, monkeypatch):
+    """A missing tokenizer or dataset of your own is never filled with demo data: the loaders name it instead."""
+    import nanovlm.data.demo as demo
+    from nanovlm.config import load_config
+    from nanovlm.train.run import ensure_data
+
+    built = []
+    monkeypatch.setattr(demo, "ensure_demo_data", lambda root, **kw: built.append(root))
+    monkeypatch.chdir(tmp_path)
+    mine = tmp_path / "mine"
+    (mine / "train").mkdir(parents=True)
+    cfg = load_config(
+        ["tiny_cpu.yaml"], [f"data.train=[{mine}/train]", f"data.val=[{mine}/val]", f"data.tokenizer={mine}/tokenizer"]
+    )
+    ensure_data(cfg)
+    assert built == [] and sorted(p.name for p in mine.iterdir()) == ["train"]
+    ensure_data(load_config(["tiny_cpu.yaml"], ["data.tokenizer=HuggingFaceTB/SmolLM2-135M"]))  # a hub id
+    assert built == []
+    ensure_data(load_config(["tiny_cpu.yaml"]))  # the default demo paths, absent here: built into data/demo
+    assert [str(p) for p in built] == ["data/demo"]

@@ -52,16 +52,25 @@ def file_lock(path: Path):
 
 
 def ensure_data(cfg: Config) -> None:
-    """Build the procedural demo dataset and tokenizer on first use when the config asks for it."""
+    """Build the procedural demo dataset and tokenizer on first use when the config asks for it.
+
+    Only the demo's own paths (the schema defaults, ``data/demo/...``) are ever built: a missing directory or
+    tokenizer of your own is left to the loaders, which name it and the command that makes it, instead of
+    being filled with demo samples.
+    """
     if not cfg.data.make_demo_if_missing:
         return
-    from nanovlm.config import image_token_count
+    from nanovlm.config import DataConfig, image_token_count
     from nanovlm.data.demo import ensure_demo_data
 
+    demo = DataConfig()
+    demo_paths = {Path(p).resolve() for p in (*demo.train, *demo.val, demo.tokenizer)}
     needed = [Path(p) for p in (*cfg.data.train, *cfg.data.val, cfg.data.tokenizer)]
-    if all(p.exists() for p in needed):
+    missing = [p for p in needed if not p.exists()]
+    if not missing or any(p.resolve() not in demo_paths for p in missing):
         return
-    root = Path(cfg.data.tokenizer).parent  # data/demo holds tokenizer/, train/ and val/
+    root = Path(demo.tokenizer).parent  # data/demo holds tokenizer/, train/ and val/
+    print(f"[data] building the procedural demo dataset and tokenizer into {root}/ (first use, offline)", flush=True)
     with file_lock(root.parent / f".{root.name}.lock"):
         ensure_demo_data(root, image_token_count=image_token_count(cfg.model))
 
