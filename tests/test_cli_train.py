@@ -82,6 +82,31 @@ def test_two_step_fit_writes_run_dir_and_evaluates(small_demo, tmp_path):  # noq
     assert len((run_dir / "steps.jsonl").read_text().splitlines()) == 2
 
 
+@pytest.mark.slow
+def test_resume_continues_metrics_and_a_fresh_start_never_mixes_runs(small_demo, tmp_path):  # noqa: F811
+    run_dir = tmp_path / "run"
+    extra = ["trainer.log_every_n_steps=1", "checkpoint.every_n_steps=1", "checkpoint.keep_last=5"]
+    run_train(small_demo, run_dir, "trainer.max_steps=2", *extra)
+    out = run_train(small_demo, run_dir, "trainer.max_steps=3", *extra)  # resumes from step 2
+    rows = list(csv.DictReader((run_dir / "csv" / "metrics.csv").read_text().splitlines()))
+    assert [int(r["step"]) for r in rows if r.get("train/loss")] == [1, 2, 3]  # Lightning's logger kept only 3
+    # resuming at or past max_steps says there is nothing to train
+    out = run_train(small_demo, run_dir, "trainer.max_steps=2", *extra)
+    assert "checkpoint is at step 3, trainer.max_steps=2: nothing left to train" in out
+    # starting over, or from an older checkpoint, next to later checkpoints: refused, nothing deleted
+    for how in ("checkpoint.resume=none", f"checkpoint.resume={run_dir / 'checkpoints' / checkpoint_name(1)}"):
+        proc = subprocess.run(
+            train_cmd(small_demo, run_dir, "trainer.max_steps=3", how, *extra),
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=TIMEOUT,
+        )
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+        assert "RunDirConflictError" in proc.stderr and "from an earlier run" in proc.stderr
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == [checkpoint_name(s) for s in (1, 2, 3)]
+
+
 def _one_step_run_with_legacy_checkpoint(data, run_dir) -> bytes:
     """Train one step, then rewrite its checkpoint in the layout before the fused projections (separate
     q/k/v_proj and gate/up_proj). Returns the original checkpoint bytes."""

@@ -66,12 +66,12 @@ def main(argv: Sequence[str] | None = None, default_configs: Sequence[str] = (DE
 
     from nanovlm.data.datamodule import DataMismatchError, DataStateError
     from nanovlm.data.shards import PlanError
-    from nanovlm.train.checkpoint import CheckpointModelMismatchError
+    from nanovlm.train.checkpoint import CheckpointModelMismatchError, RunDirConflictError
     from nanovlm.train.run import train  # heavy imports only after the config is known to be valid
 
     try:
         result = train(cfg, config_files=list(files))
-    except (CheckpointModelMismatchError, PlanError, DataStateError, DataMismatchError) as e:
+    except (CheckpointModelMismatchError, RunDirConflictError, PlanError, DataStateError, DataMismatchError) as e:
         # user errors whose message names the problem and the fix: no traceback
         print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
         return 2

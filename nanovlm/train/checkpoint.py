@@ -41,6 +41,14 @@ def checkpoint_name(step: int) -> str:
     return f"step-{step:08d}.ckpt"
 
 
+def checkpoint_step(path: str | os.PathLike) -> int:
+    """The step of a checkpoint: from its name when it is ``step-N.ckpt``, else read from the file."""
+    if m := CKPT_RE.match(Path(path).name):
+        return int(m.group(1))
+    ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    return int(ckpt.get("global_step", 0))
+
+
 def list_checkpoints(directory: str | os.PathLike) -> list[tuple[int, Path]]:
     """(step, path) of the complete checkpoints in ``directory``, oldest first (temp files are ignored)."""
     d = Path(directory)
@@ -67,6 +75,29 @@ def resolve_resume(cfg: Config) -> Path | None:
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint.resume={mode!r}: no such checkpoint file")
     return path
+
+
+class RunDirConflictError(RuntimeError):
+    """The run directory holds checkpoints of a later step than the run starts from (another run's)."""
+
+
+def check_no_later_checkpoints(cfg: Config, resume: Path | None) -> None:
+    """Refuse to start (fresh, or from an explicit older checkpoint) next to checkpoints of later steps.
+
+    They belong to another run: keep-last-N would delete the new run's checkpoints first (theirs have the
+    higher steps), and a later ``checkpoint.resume=auto`` would pick theirs up.
+    """
+    start = 0 if resume is None else checkpoint_step(resume)
+    directory = checkpoint_dir(cfg)
+    later = [step for step, _ in list_checkpoints(directory) if step > start]
+    if later:
+        how = "starts over (checkpoint.resume=none)" if resume is None else f"starts from step {start} ({resume})"
+        raise RunDirConflictError(
+            f"{directory} holds checkpoints of steps {later[0]}..{later[-1]} from an earlier run, and this run {how}: "
+            "the two runs would mix (keep-last cleanup would delete the new run's checkpoints first). Use another "
+            "trainer.run_dir (an explicit checkpoint.resume path may point into this one), or delete those "
+            "checkpoints to start over here."
+        )
 
 
 class CheckpointModelMismatchError(RuntimeError):

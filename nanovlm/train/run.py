@@ -22,7 +22,9 @@ from nanovlm.train.checkpoint import (
     AtomicCheckpointIO,
     PeriodicCheckpoint,
     check_checkpoint_fits,
+    check_no_later_checkpoints,
     checkpoint_dir,
+    checkpoint_step,
     resolve_resume,
 )
 from nanovlm.train.module import VLMModule
@@ -75,13 +77,58 @@ def ensure_data(cfg: Config) -> None:
         ensure_demo_data(root, image_token_count=image_token_count(cfg.model))
 
 
-def build_loggers(cfg: Config) -> list[Any]:
-    """CSV (``<run_dir>/csv/metrics.csv``), plus TensorBoard (``<run_dir>/tb``) when it is installed."""
-    from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+def _csv_logger(run_dir: str, resume_step: int) -> Any:
+    """Lightning's CSVLogger writing ``<run_dir>/csv/metrics.csv``, continued on resume.
+
+    Lightning's writer deletes an existing metrics.csv; this one keeps its rows up to the resumed step and
+    drops what a killed run logged after its checkpoint (those steps are trained and logged again), so the
+    file of a resumed run reads like one run, as steps.jsonl does.
+    """
+    import csv
+
+    from lightning.pytorch.loggers import CSVLogger
+    from lightning.pytorch.loggers.csv_logs import ExperimentWriter
+    from lightning.pytorch.loggers.logger import rank_zero_experiment
+
+    class ContinuingWriter(ExperimentWriter):
+        def _check_log_dir_exists(self) -> None:  # called by __init__ before anything is logged
+            path = Path(self.metrics_file_path)
+            if not path.is_file():
+                return
+            header, rows = [], []
+            if resume_step > 0:
+                with path.open(newline="") as f:
+                    reader = csv.DictReader(f)
+                    header = sorted(reader.fieldnames or [])
+                    rows = [r for r in reader if r.get("step") and float(r["step"]) <= resume_step]
+            path.unlink()
+            if rows:
+                with path.open("w", newline="") as f:
+                    writer = csv.DictWriter(f, fieldnames=header)
+                    writer.writeheader()
+                    writer.writerows(rows)
+                self.metrics_keys = header  # the header new rows are appended under (extended when keys appear)
+
+    class ContinuingCSVLogger(CSVLogger):
+        @property
+        @rank_zero_experiment
+        def experiment(self) -> ExperimentWriter:
+            if self._experiment is None:
+                self._fs.makedirs(self.root_dir, exist_ok=True)
+                self._experiment = ContinuingWriter(log_dir=self.log_dir)
+            return self._experiment
+
+    return ContinuingCSVLogger(run_dir, name="", version="csv")
+
+
+def build_loggers(cfg: Config, resume_step: int = 0) -> list[Any]:
+    """CSV (``<run_dir>/csv/metrics.csv``, continued from ``resume_step`` on resume), plus TensorBoard
+    (``<run_dir>/tb``) when it is installed."""
+    from lightning.pytorch.loggers import TensorBoardLogger
 
     if cfg.trainer.logger == "none":
         return []
-    loggers: list[Any] = [CSVLogger(cfg.trainer.run_dir, name="", version="csv")]
+    loggers: list[Any] = [_csv_logger(cfg.trainer.run_dir, resume_step)]
     try:
         import tensorboard  # noqa: F401
 
@@ -96,9 +143,10 @@ def build_loggers(cfg: Config) -> list[Any]:
 
 
 def build_trainer(
-    cfg: Config, config_files: list[str] | None = None
+    cfg: Config, config_files: list[str] | None = None, resume_step: int = 0
 ) -> tuple[pl.Trainer, PeriodicCheckpoint, Telemetry]:
-    """The Lightning Trainer for ``cfg`` with the project's callbacks (in the order they must run)."""
+    """The Lightning Trainer for ``cfg`` with the project's callbacks (in the order they must run);
+    ``resume_step``: the step a resumed run continues from (its logs are kept up to there)."""
     t = cfg.trainer
     ckpt = PeriodicCheckpoint(
         checkpoint_dir(cfg), cfg.checkpoint.every_n_steps, cfg.checkpoint.keep_last, t.stop_at_step
@@ -139,7 +187,7 @@ def build_trainer(
         limit_val_batches=t.val_batches if has_val else 0,
         num_sanity_val_steps=0,
         log_every_n_steps=t.log_every_n_steps,
-        logger=build_loggers(cfg) or False,
+        logger=build_loggers(cfg, resume_step) or False,
         enable_checkpointing=False,  # PeriodicCheckpoint does it
         enable_progress_bar=t.progress_bar,
         enable_model_summary=False,
@@ -180,11 +228,19 @@ def train(
     if module is None:
         module = VLMModule(cfg, datamodule.tokenizer)
     resume = resolve_resume(cfg)
-    trainer, ckpt, telemetry = build_trainer(cfg, config_files)
+    check_no_later_checkpoints(cfg, resume)
+    resume_step = checkpoint_step(resume) if resume is not None else 0
+    trainer, ckpt, telemetry = build_trainer(cfg, config_files, resume_step)
     if strategies.global_rank_from_env() == 0:
         save_config(cfg, cfg.trainer.run_dir)
         if resume is not None:
             print(f"[resume] from {resume}", flush=True)
+            if resume_step >= cfg.trainer.max_steps:
+                print(
+                    f"[resume] the checkpoint is at step {resume_step}, trainer.max_steps={cfg.trainer.max_steps}: "
+                    "nothing left to train (raise trainer.max_steps to continue)",
+                    flush=True,
+                )
     if resume is not None:
         check_checkpoint_fits(resume, module.state_dict())
     trainer.fit(module, datamodule=datamodule, ckpt_path=resume, weights_only=True)
