@@ -170,3 +170,18 @@ def test_fsdp_resume_of_a_checkpoint_that_does_not_fit_is_the_same_clear_error(s
     run_dir = tmp_path / "run"
     _one_step_run_with_legacy_checkpoint(small_demo, run_dir)
     _assert_legacy_error(_resume(small_demo, run_dir, "trainer.devices=2", "trainer.strategy=fsdp"))
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_torchrun_without_trainer_devices_uses_the_launchers_processes(small_demo, tmp_path):  # noqa: F811
+    """``torchrun --nproc_per_node 2 scripts/train.py`` works although the config says ``devices: 1``."""
+    run_dir = tmp_path / "run"
+    cmd = train_cmd(small_demo, run_dir, "trainer.max_steps=2", "trainer.strategy=ddp", "trainer.devices=1")
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    proc = subprocess.run([*torchrun, *cmd[1:]], cwd=REPO, capture_output=True, text=True, timeout=TIMEOUT)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    assert "[launch] torchrun started 1 node(s) x 2 processes: using trainer.devices=2" in out
+    for name in ("steps.jsonl", "steps.rank1.jsonl"):
+        assert len((run_dir / name).read_text().splitlines()) == 2

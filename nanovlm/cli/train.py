@@ -19,7 +19,7 @@ examples:
   python scripts/train.py                                   # default tiny run on the demo data (CPU)
   python scripts/train.py trainer.max_steps=50 optim.lr=1e-3
   python scripts/train.py --config base.yaml --config model_460m.yaml data.train=[data/mine/train]
-  torchrun --nproc_per_node 8 scripts/train.py --config base.yaml --config ddp.yaml
+  torchrun --nproc_per_node 8 scripts/train.py --config base.yaml --config ddp.yaml   # devices from torchrun
 
 A bare config name (ddp.yaml) is looked up in configs/. Every key, its type, default and meaning is in
 nanovlm/config.py; the most used keys are listed in the README section "Configuration".

@@ -172,10 +172,11 @@ def build_trainer(
         from lightning.pytorch.plugins.environments import SLURMEnvironment
 
         plugins.append(SLURMEnvironment(auto_requeue=False))  # preemption is handled by PeriodicCheckpoint
+    devices, num_nodes = strategies.launcher_topology(t.devices, t.num_nodes)
     trainer = pl.Trainer(
         accelerator=strategies.resolve_accelerator(t),
-        devices=t.devices,
-        num_nodes=t.num_nodes,
+        devices=devices,
+        num_nodes=num_nodes,
         strategy=strategies.build_strategy(t),
         precision=strategies.resolve_precision(t),
         max_steps=t.max_steps,

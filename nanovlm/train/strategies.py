@@ -100,6 +100,28 @@ def shard_model(model: nn.Module, precision: str, device: torch.device) -> None:
     fully_shard(model, **kwargs)
 
 
+def launcher_topology(devices: Any, num_nodes: int) -> tuple[Any, int]:
+    """(devices, num_nodes) for the Trainer: under torchrun, what torchrun started.
+
+    Lightning refuses a ``devices x num_nodes`` that differs from torchrun's world size, and ``base.yaml`` says
+    ``devices: 1``, so ``torchrun --nproc_per_node 8 scripts/train.py`` would fail unless the user also typed
+    ``trainer.devices=8``. The launcher knows; a differing config value is overridden with a note.
+    """
+    env = os.environ
+    local, world = env.get("LOCAL_WORLD_SIZE", ""), env.get("WORLD_SIZE", "")
+    if not (env.get("TORCHELASTIC_RUN_ID") and local.isdigit() and world.isdigit()):
+        return devices, num_nodes
+    per_node, nodes = int(local), max(1, int(world) // max(1, int(local)))
+    differs = devices not in ("auto", per_node) or num_nodes != nodes
+    if differs and env.get("RANK", "0") == "0":
+        print(
+            f"[launch] torchrun started {nodes} node(s) x {per_node} processes: using trainer.devices={per_node} "
+            f"trainer.num_nodes={nodes} (the config said {devices} and {num_nodes})",
+            flush=True,
+        )
+    return per_node, nodes
+
+
 def world_size_from_env() -> int:
     """World size known before Lightning starts processes (torchrun / SLURM), else 1."""
     for var in ("WORLD_SIZE", "SLURM_NTASKS"):
