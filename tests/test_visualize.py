@@ -91,6 +91,15 @@ def test_inspect_batch_cli(tmp_path, make_dataset, tiny_tokenizer, capsys):
     decoded = [line for line in printed.splitlines() if line.startswith("  - s")]
     assert len(decoded) == 3
     assert all("[[answer " in line and "<|im_end|>]]" in line for line in decoded)
+    # --val shows the dataset given (it used to show the config's data.val, the demo set, under this header)
+    make_dataset(tmp_path / "val", 8, samples_per_shard=8, image_token_count=16, key_prefix="v")
+    rc = main([str(tmp_path / "val"), "--val", "--batches", "1", "--samples", "2",
+               f"data.tokenizer={tiny_tokenizer.name_or_path}", "data.max_tokens=256"])  # fmt: skip
+    decoded = [line.split()[1] for line in capsys.readouterr().out.splitlines() if line.startswith("  - ")]
+    assert rc == 0 and decoded and all(key.startswith("v0") for key in decoded), decoded
+    # data that cannot be planned is a one-line error, not a traceback (every sample longer than the budget)
+    with pytest.raises(SystemExit, match="cannot be packed.*raise data.max_tokens"):
+        main([str(tmp_path / "ds"), f"data.tokenizer={tiny_tokenizer.name_or_path}", "data.max_tokens=16"])
 
 
 def test_decode_marked(tiny_tokenizer):

@@ -118,10 +118,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         cfg = load_config(args.config or ["tiny_cpu.yaml"], args.overrides)
     except ConfigError as e:
         raise SystemExit(f"error: {e}") from None
-    if args.dataset is not None:
+    if args.dataset is not None:  # the dataset given is what is shown, also with --val
         cfg.data.train = [args.dataset]
-        if not args.val:
-            cfg.data.val = []
+        cfg.data.val = [args.dataset] if args.val else []
     for d in cfg.data.val if args.val else cfg.data.train:
         try:
             load_index(d)
@@ -139,13 +138,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     cfg.data.num_workers = 0  # read in this process: deterministic and quick
 
     from nanovlm.data.datamodule import PackedMultimodalDataModule
+    from nanovlm.data.shards import PlanError
     from nanovlm.data.visualize import draw_packs
 
     dm = PackedMultimodalDataModule(cfg.data, cfg.model)
     dm.setup("fit")
     tok = dm.tokenizer
     image_token_id = tok.convert_tokens_to_ids("<image>")
-    print("\n".join(describe_plan(dm.summary(), cfg.data.max_tokens)))
+    try:
+        summary = dm.summary()
+    except PlanError as e:
+        raise SystemExit(f"error: {e}") from None
+    print("\n".join(describe_plan(summary, cfg.data.max_tokens)))
     batches = []
     for batch in dm.val_dataloader() if args.val else dm.train_dataloader():
         print()
