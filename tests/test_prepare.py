@@ -412,8 +412,9 @@ def test_prepare_data_bad_tokenizer_and_nothing_written(tmp_path, tiny_tokenizer
     with pytest.raises(SystemExit, match="cannot load tokenizer"):
         main(["--input", str(src), "--output", str(tmp_path / "o"), "--tokenizer", str(tmp_path / "no" / "tok")])
     assert _prepare(tiny_tokenizer, "--input", str(src), "--output", str(tmp_path / "o")) == 1
-    assert "no sample could be written" in capsys.readouterr().err
+    assert "no sample could be written (bad_json=1, " in capsys.readouterr().err
     assert len((tmp_path / "o" / "rejected.jsonl").read_text().splitlines()) == 2
+    assert not (tmp_path / "o" / "index.json").exists()  # not an (empty) dataset that training would plan
 
 
 def test_scan_tar_reports_a_bad_header_instead_of_stopping_silently(tmp_path, make_dataset):

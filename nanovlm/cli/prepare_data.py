@@ -338,8 +338,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"skipped {sum(report.skips.values())}: " + ", ".join(f"{r}={n}" for r, n in sorted(report.skips.items()))
         )
         print(f"skipped samples and reasons: {rejected}")
-    print(f"index: {out_dir / 'index.json'} (tokenizer {fingerprint}, {itc} tokens per image)")
     if report.written == 0:
-        print("error: no sample could be written; see rejected.jsonl", file=sys.stderr)
+        # no index: training and the other tools then say the directory is not a dataset, instead of planning an
+        # empty one
+        (out_dir / "index.json").unlink(missing_ok=True)
+        reasons = ", ".join(f"{r}={n}" for r, n in sorted(report.skips.items())) or "no input samples"
+        print(f"error: no sample could be written ({reasons}); see {rejected}", file=sys.stderr)
         return 1
+    print(f"index: {out_dir / 'index.json'} (tokenizer {fingerprint}, {itc} tokens per image)")
     return 0
