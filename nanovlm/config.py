@@ -221,20 +221,27 @@ def _explain(err: OmegaConfBaseException, source: str) -> ConfigError:
         return ConfigError(msg)
     if isinstance(err, ValidationError):
         msg = str(err).splitlines()[0]
-        return ConfigError(f"bad value for config key '{key}' in {source}: {msg} (expected type: {_type_name(key)})")
+        expected = _type_name(key)
+        if expected.startswith("list"):  # OmegaConf's own text ("AnyNode is not a ListConfig ...") says little
+            msg = f"a list is expected; write it in brackets, e.g. {key}=[a,b] (or {key}=[] for none)"
+        return ConfigError(f"bad value for config key '{key}' in {source}: {msg} (expected type: {expected})")
     return ConfigError(f"config error in {source}: {err}")
 
 
 def _type_name(key: str) -> str:
     node: Any = Config
-    for part in key.split("."):
+    item = key.endswith("]")  # an element of a list: 'data.train_weights[0]'
+    for part in key.split("[")[0].split("."):
         match = [f for f in fields(node) if f.name == part] if is_dataclass(node) else []
         if not match:
             return "?"
         f = match[0]
         node = f.default_factory() if callable(f.default_factory) else f.default  # type: ignore[misc]
         node = type(node) if is_dataclass(node) else f.type
-    return node if isinstance(node, str) else getattr(node, "__name__", str(node))
+    name = node if isinstance(node, str) else getattr(node, "__name__", str(node))
+    if item and name.startswith("list[") and name.endswith("]"):
+        return name[5:-1]
+    return name
 
 
 def _check_values(cfg: Config) -> None:

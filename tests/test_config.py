@@ -91,12 +91,19 @@ def test_misspelled_section_suggests_section():
 
 @pytest.mark.parametrize(
     "override, key, expected",
-    [("trainer.max_steps=abc", "trainer.max_steps", "int"), ("data.max_tokens=1.5", "data.max_tokens", "int")],
+    [
+        ("trainer.max_steps=abc", "trainer.max_steps", "int"),
+        ("data.max_tokens=1.5", "data.max_tokens", "int"),
+        ("data.train_weights=[a]", "data.train_weights[0]", "float"),
+        ("data.train=data/x", "data.train", "list[str]"),
+    ],
 )
 def test_wrong_type_names_key_and_expected_type(override, key, expected):
     with pytest.raises(ConfigError) as e:
         load_config([], [override])
-    assert key in str(e.value) and f"expected type: {expected}" in str(e.value)
+    assert key in str(e.value) and f"expected type: {expected})" in str(e.value)
+    if expected.startswith("list"):  # a path without brackets: say how to write a list
+        assert "write it in brackets, e.g. data.train=[a,b]" in str(e.value)
 
 
 def test_bad_choice_and_shapes_are_rejected():

@@ -90,7 +90,7 @@ def assert_same_run(full: Path, resumed: Path, n_micro: int, ranks: int, final_s
 
 def interrupted_then_resumed(data: Path, run_dir: Path, k: int, *extra: str) -> None:
     out = run_train(data, run_dir, f"trainer.stop_at_step={k}", *extra)
-    assert "trainer.stop_at_step reached: saved" in out
+    assert "trainer.stop_at_step reached: saved" in out and f"stopped as trainer.stop_at_step asks at step {k}" in out
     assert [s for s, _ in list_checkpoints(run_dir / "checkpoints")][-1] == k
     out = run_train(data, run_dir, *extra)  # same command, checkpoint.resume=auto
     assert f"[resume] from {run_dir / 'checkpoints' / checkpoint_name(k)}" in out
