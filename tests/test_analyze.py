@@ -63,6 +63,11 @@ def test_recommendation_rules():
     assert any("capped at 16384" in x for x in r.reasons)
     r = recommend(stats_of([100] * 100, [1] * 100), max_images=4)
     assert any("data.max_images=4" in x for x in r.reasons)
+    # a small dataset: keeping 99.9% whole means keeping the longest too (an interpolated p99.9 fell below it)
+    r = recommend(stats_of([100] * 288 + [1663]))
+    assert r.max_tokens >= 1663 and any("0 samples are longer" in x for x in r.reasons)
+    r = recommend(stats_of([100] * 3000 + [10000]), cap=1024)
+    assert any(": 1 sample is longer" in x for x in r.reasons)
 
 
 def test_analyze_cli_writes_plots_and_summary(tmp_path, make_dataset, capsys):

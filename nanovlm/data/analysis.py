@@ -162,7 +162,11 @@ def recommend(
     if stats.num_samples == 0:
         return Recommendation(1024, "drop", ["the dataset is empty; any budget works"])
     p = percentiles(stats.total_tokens)
-    q = float(np.percentile(stats.total_tokens, keep_quantile))
+    # the length of the k-th shortest sample, k = the samples that make up keep_quantile %: a budget at or above it
+    # does keep that share whole (an interpolated percentile can fall between the two longest samples of a small
+    # dataset and leave the longest out)
+    k = max(1, math.ceil(keep_quantile / 100 * stats.num_samples - 1e-9))
+    q = float(np.sort(stats.total_tokens)[k - 1])
     med = p["p50"]
     wanted = _round_budget(max(q, min_samples_per_pack * med))
     budget = min(wanted, cap)
@@ -174,7 +178,7 @@ def recommend(
         "packs of many small samples fill to ~99% or more with the online packer",
         f"rounded up to {wanted}"
         + (f", capped at {cap} (memory)" if wanted > cap else "")
-        + f": {over} samples ({frac:.3%}) are longer (max {p['max']:.0f})",
+        + f": {over} {'sample is' if over == 1 else 'samples are'} longer ({frac:.3%}; max {p['max']:.0f})",
     ]
     if over == 0:
         policy = "drop"
