@@ -105,6 +105,18 @@ def test_run_cell_ranks_every_strategy():
             assert r["steps"] >= cell["lower_bound_packs"] and r["slots_per_step_max"] == 2048
 
 
+def test_lower_bound_counts_the_image_cap():
+    """Short samples with many images: the image cap, not the token budget, sets the fewest possible packs."""
+    ls = LengthSet("imagey", [10] * 100, [2] * 100)
+    cell = run_cell(ls, 1024, max_images=8, reps=1)
+    assert cell["lower_bound_packs"] == 25 and cell["bound_binding"] == "images"  # 200 images / 8 (tokens: 1)
+    ours = cell["rows"][0]
+    assert ours["steps"] == 25 and abs(ours["gap_to_bound_pp"]) < 1e-9
+    from nanovlm.bench.packing_bench import cell_table
+
+    assert "(25 packs, the image cap binds)" in cell_table(cell)
+
+
 def _check_doc(doc: dict, sections: list[str]) -> None:
     assert set(doc["sections"]) == set(sections)
     assert doc["machine"]["cores"] >= 1 and doc["machine"]["torch"]

@@ -64,7 +64,7 @@ def test_rendered_project_smoke_test_passes(tmp_path):
         timeout=600,
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
-    assert "2 passed" in proc.stdout
+    assert "3 passed" in proc.stdout
 
 
 def test_new_project_script_creates_and_refuses_to_overwrite(tmp_path):

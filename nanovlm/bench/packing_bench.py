@@ -128,7 +128,11 @@ def run_cell(
     """All strategies on one distribution at one budget. Returns the bound, FFD fill and a row per strategy."""
     fits = [i for i, (n, m) in enumerate(zip(ls.lengths, ls.n_images)) if n <= L and m <= max_images]
     fit_tokens = sum(ls.lengths[i] for i in fits)
-    lower_bound_packs = math.ceil(fit_tokens / L)
+    fit_images = sum(ls.n_images[i] for i in fits)
+    # no packing needs fewer packs than the tokens or the images need: the bound is the larger of the two
+    token_bound = math.ceil(fit_tokens / L)
+    image_bound = math.ceil(fit_images / max_images) if max_images > 0 else 0
+    lower_bound_packs = max(1, token_bound, image_bound)
     bound_fill = fit_tokens / (lower_bound_packs * L)
     mean_len = statistics.mean(ls.lengths[i] for i in fits)
     batch = max(1, round(L / mean_len))
@@ -183,6 +187,7 @@ def run_cell(
         "constrained_cutoff": cutoff,
         "samples_fitting_budget": len(fits),
         "lower_bound_packs": lower_bound_packs,
+        "bound_binding": "images" if image_bound > token_bound else "tokens",
         "bound_fill": bound_fill,
         "ffd_packs": len(ffd_plan.steps),
         "ffd_fill": ffd_fill,
@@ -231,7 +236,9 @@ def cell_table(cell: dict[str, Any]) -> str:
     title = (
         f"**{d['name']}**, L = {cell['budget_tokens']}, <= {cell['max_images']} images/pack: {d['samples']} samples, "
         f"mean {d['mean']:.0f} / p99 {d['p99']:.0f} / max {d['max']} tokens; bound fill "
-        f"{pct(cell['bound_fill'], 2)} ({cell['lower_bound_packs']} packs), FFD {pct(cell['ffd_fill'], 2)} "
+        f"{pct(cell['bound_fill'], 2)} ({cell['lower_bound_packs']} packs"
+        + (", the image cap binds" if cell.get("bound_binding") == "images" else "")
+        + f"), FFD {pct(cell['ffd_fill'], 2)} "
         f"({cell['ffd_packs']} packs)"
     )
     return title + "\n\n" + markdown_table(headers, out)

@@ -1,4 +1,5 @@
-"""CPU smoke test: decode a few raw samples, prepare a dataset, train 2 steps of a tiny model, resume."""
+"""CPU smoke test: decode a few raw samples, prepare a dataset (bad lines skipped and listed), train 2 steps of a
+tiny model and evaluate it."""
 
 from __future__ import annotations
 
@@ -49,6 +50,31 @@ def test_decode_sample(tmp_path):
     record = decode_sample(json.loads(raw.read_text()), "k0", raw.parent)
     assert record.messages[0]["content"].count("<image>") == len(record.images) == 1
     assert record.extra == {"answer": "red"}
+
+
+def test_prepare_skips_and_lists_bad_lines(tmp_path):
+    raw = write_raw(tmp_path / "raw", 3)
+    (tmp_path / "raw" / "broken.png").write_bytes(b"not an image")
+    bad = [
+        "{not json",
+        json.dumps({"image": "0.png", "question": "What colour is it?"}),  # no answer
+        json.dumps({"image": "../../../etc/hostname", "question": "q", "answer": "a"}),  # outside the data folder
+        json.dumps({"image": "broken.png", "question": "q", "answer": "a"}),
+    ]
+    raw.write_text(raw.read_text() + "\n".join(bad) + "\n")
+    out = tmp_path / "data" / "train"
+    cmd = [sys.executable, "scripts/prepare_data.py", "--input", str(raw), "--out", str(out), "--build-tokenizer",
+           f"data.tokenizer={tmp_path}/tokenizer"]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "wrote 3 of 7 samples" in proc.stdout
+    rejected = [json.loads(line) for line in (out / "rejected.jsonl").read_text().splitlines()]
+    assert [(r["reason"], r["source"].rsplit(":", 1)[1]) for r in rejected] == [
+        ("bad_json", "4"),
+        ("missing_field", "5"),
+        ("unsafe_path", "6"),
+        ("unreadable_image", "7"),
+    ]
 
 
 def test_prepare_and_train_two_steps(tmp_path):

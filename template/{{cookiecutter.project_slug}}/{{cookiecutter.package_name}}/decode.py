@@ -11,15 +11,21 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from nanovlm.data.format import Record
+from nanovlm.data.format import Record, SampleError
+from nanovlm.data.prepare import resolve_image_path
 
 
 def decode_sample(raw: dict, key: str, image_root: Path) -> Record:
-    """One raw sample -> Record. ``raw`` = {"image": "relative/path.png", "question": str, "answer": str}."""
-    missing = [f for f in ("image", "question", "answer") if f not in raw]
+    """One raw sample -> Record. ``raw`` = {"image": "relative/path.png", "question": str, "answer": str}.
+
+    A sample that cannot be used raises ``SampleError(reason, key, detail)``: prepare_data skips it, counts it
+    and lists it in ``rejected.jsonl``. Image paths must stay inside ``image_root`` (``../`` and symlinks out
+    are refused as ``unsafe_path``).
+    """
+    missing = [f for f in ("image", "question", "answer") if not isinstance(raw.get(f), str)]
     if missing:
-        raise ValueError(f"sample {key}: missing field(s) {missing}")
-    image = (image_root / raw["image"]).read_bytes()
+        raise SampleError("missing_field", key, f"missing or not a string: {missing}")
+    image = resolve_image_path(raw["image"], image_root, key=key).read_bytes()
     messages = [
         {"role": "user", "content": f"<image>\n{raw['question']}"},
         {"role": "assistant", "content": raw["answer"]},
