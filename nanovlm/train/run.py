@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import csv
 import fcntl
 import os
 import warnings
@@ -14,6 +15,9 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
+from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.loggers.csv_logs import ExperimentWriter
+from lightning.pytorch.loggers.logger import rank_zero_experiment
 
 from nanovlm.config import Config, save_config
 from nanovlm.train import strategies
@@ -77,48 +81,48 @@ def ensure_data(cfg: Config) -> None:
         ensure_demo_data(root, image_token_count=image_token_count(cfg.model))
 
 
-def _csv_logger(run_dir: str, resume_step: int) -> Any:
-    """Lightning's CSVLogger writing ``<run_dir>/csv/metrics.csv``, continued on resume.
+class _ContinuingWriter(ExperimentWriter):
+    """Lightning's CSV writer, but an existing metrics.csv keeps its rows up to ``resume_step`` (Lightning's
+    deletes the file); what a killed run logged after its checkpoint is dropped, as those steps are trained and
+    logged again. A resumed run's metrics.csv then reads like one run, as steps.jsonl does."""
 
-    Lightning's writer deletes an existing metrics.csv; this one keeps its rows up to the resumed step and
-    drops what a killed run logged after its checkpoint (those steps are trained and logged again), so the
-    file of a resumed run reads like one run, as steps.jsonl does.
-    """
-    import csv
+    def __init__(self, log_dir: str, resume_step: int) -> None:
+        self.resume_step = resume_step
+        super().__init__(log_dir=log_dir)
 
-    from lightning.pytorch.loggers import CSVLogger
-    from lightning.pytorch.loggers.csv_logs import ExperimentWriter
-    from lightning.pytorch.loggers.logger import rank_zero_experiment
+    def _check_log_dir_exists(self) -> None:  # called by __init__ before anything is logged
+        path = Path(self.metrics_file_path)
+        if not path.is_file():
+            return
+        header, rows = [], []
+        if self.resume_step > 0:
+            with path.open(newline="") as f:
+                reader = csv.DictReader(f)
+                header = sorted(reader.fieldnames or [])
+                rows = [r for r in reader if r.get("step") and float(r["step"]) <= self.resume_step]
+        path.unlink()
+        if rows:
+            with path.open("w", newline="") as f:
+                writer = csv.DictWriter(f, fieldnames=header)
+                writer.writeheader()
+                writer.writerows(rows)
+            self.metrics_keys = header  # the header new rows are appended under (extended when keys appear)
 
-    class ContinuingWriter(ExperimentWriter):
-        def _check_log_dir_exists(self) -> None:  # called by __init__ before anything is logged
-            path = Path(self.metrics_file_path)
-            if not path.is_file():
-                return
-            header, rows = [], []
-            if resume_step > 0:
-                with path.open(newline="") as f:
-                    reader = csv.DictReader(f)
-                    header = sorted(reader.fieldnames or [])
-                    rows = [r for r in reader if r.get("step") and float(r["step"]) <= resume_step]
-            path.unlink()
-            if rows:
-                with path.open("w", newline="") as f:
-                    writer = csv.DictWriter(f, fieldnames=header)
-                    writer.writeheader()
-                    writer.writerows(rows)
-                self.metrics_keys = header  # the header new rows are appended under (extended when keys appear)
 
-    class ContinuingCSVLogger(CSVLogger):
-        @property
-        @rank_zero_experiment
-        def experiment(self) -> ExperimentWriter:
-            if self._experiment is None:
-                self._fs.makedirs(self.root_dir, exist_ok=True)
-                self._experiment = ContinuingWriter(log_dir=self.log_dir)
-            return self._experiment
+class ContinuingCSVLogger(CSVLogger):
+    """``<run_dir>/csv/metrics.csv``, continued from ``resume_step`` when a run resumes (see _ContinuingWriter)."""
 
-    return ContinuingCSVLogger(run_dir, name="", version="csv")
+    def __init__(self, run_dir: str, resume_step: int = 0) -> None:
+        super().__init__(run_dir, name="", version="csv")
+        self.resume_step = resume_step
+
+    @property
+    @rank_zero_experiment
+    def experiment(self) -> ExperimentWriter:
+        if self._experiment is None:
+            self._fs.makedirs(self.root_dir, exist_ok=True)
+            self._experiment = _ContinuingWriter(self.log_dir, self.resume_step)
+        return self._experiment
 
 
 def build_loggers(cfg: Config, resume_step: int = 0) -> list[Any]:
@@ -128,7 +132,7 @@ def build_loggers(cfg: Config, resume_step: int = 0) -> list[Any]:
 
     if cfg.trainer.logger == "none":
         return []
-    loggers: list[Any] = [_csv_logger(cfg.trainer.run_dir, resume_step)]
+    loggers: list[Any] = [ContinuingCSVLogger(cfg.trainer.run_dir, resume_step)]
     try:
         import tensorboard  # noqa: F401
 
