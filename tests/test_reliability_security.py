@@ -7,10 +7,12 @@ unpickled it", not "the payload is broken"); then every path that touches such d
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import pickle
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -129,6 +131,31 @@ def test_prepare_data_index_only_never_unpickles_shard_members(tmp_path, tiny_to
     assert main(["--input", str(shards), "--output", str(shards), "--tokenizer", tiny_tokenizer.name_or_path]) == 0
     index = json.loads((shards / "index.json").read_text())
     assert index["shards"][0]["keys"] == ["x0", "x1", "x2", "x3"]
+    assert not marker.exists()
+
+
+def test_postscript_image_is_never_handed_to_ghostscript(tmp_path, monkeypatch):
+    """PIL would open an EPS member named .jpg/.png and run Ghostscript on it when decoding; only raster
+    formats are opened. A stand-in ``gs`` first on PATH would leave a marker if anything ran it."""
+    from PIL import Image
+
+    from nanovlm.data.prepare import inspect_image
+    from nanovlm.data.processing import decode_image
+
+    marker = tmp_path / "gs_ran"
+    fake_gs = tmp_path / "bin" / "gs"
+    fake_gs.parent.mkdir()
+    fake_gs.write_text(f'#!/bin/sh\n[ "$1" = "--version" ] && echo 10.0 && exit 0\ntouch {marker}\nexit 1\n')
+    fake_gs.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake_gs.parent}{os.pathsep}{os.environ['PATH']}")
+    eps = b"%!PS-Adobe-3.0 EPSF-3.0\n%%BoundingBox: 0 0 16 16\nnewpath 0 0 moveto 16 16 lineto stroke\nshowpage\n"
+    with pytest.raises(subprocess.CalledProcessError):  # control: PIL itself does run "gs" on these bytes
+        Image.open(io.BytesIO(eps)).load()
+    assert marker.exists()
+    marker.unlink()
+    for decode in (inspect_image, decode_image):
+        with pytest.raises(SampleError, match="unreadable_image"):
+            decode(eps)
     assert not marker.exists()
 
 

@@ -28,7 +28,7 @@ from PIL import Image
 
 from nanovlm.data.format import Record, SampleError, check_key, members_to_record, record_to_json, validate_messages
 from nanovlm.data.index import DatasetIndex, ShardIndex, scan_tar
-from nanovlm.data.processing import SampleProcessor, describe_error, to_rgb
+from nanovlm.data.processing import SampleProcessor, describe_error, open_image, to_rgb
 from nanovlm.data.tokenizer import tokenizer_fingerprint
 
 SHARD_PATTERN = "shard-{:06d}.tar"
@@ -57,7 +57,7 @@ def inspect_image(data: bytes, max_pixels: int = 0, key: str = "") -> tuple[str,
     try:
         with warnings.catch_warnings():  # our own max_pixels check below replaces PIL's warning
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-            img = Image.open(io.BytesIO(data))
+            img = open_image(data)
         w, h = img.size
         fmt = img.format
         if max_pixels > 0 and w * h > max_pixels:

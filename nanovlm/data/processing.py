@@ -38,6 +38,17 @@ CACHED_PIECE_CHARS = 256  # longer pieces are rarely repeated: always tokenized
 # images
 
 
+# The raster formats PIL may decode (the members IMAGE_SUFFIXES names; MPO: multi-picture JPEG from cameras).
+# An explicit list, because sniffing every format PIL knows would hand an EPS/PostScript member to Ghostscript,
+# i.e. execute it: nothing in a dataset is ever executed.
+IMAGE_FORMATS = ("JPEG", "MPO", "PNG", "WEBP", "GIF", "BMP", "TIFF", "PPM")
+
+
+def open_image(data: bytes) -> Image.Image:
+    """Open (not yet decode) image bytes as one of IMAGE_FORMATS, whatever the member is named."""
+    return Image.open(io.BytesIO(data), formats=IMAGE_FORMATS)
+
+
 def decode_image(data: bytes, max_pixels: int = 0, draft_size: int = 0, key: str = "") -> Image.Image:
     """Bytes -> fully decoded RGB PIL image, upright (EXIF orientation applied). Format is sniffed from content.
 
@@ -48,7 +59,7 @@ def decode_image(data: bytes, max_pixels: int = 0, draft_size: int = 0, key: str
     try:
         with warnings.catch_warnings():  # our own max_pixels check below replaces PIL's warning
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-            img = Image.open(io.BytesIO(data))
+            img = open_image(data)
         w, h = img.size
         if max_pixels > 0 and w * h > max_pixels:
             raise SampleError("image_too_large", key, f"{w}x{h} > max_image_pixels={max_pixels}")
