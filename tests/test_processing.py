@@ -1,6 +1,7 @@
 """Processing: image decoding (by content, EXIF, modes, guards), ChatML ids, loss labels, over-length."""
 
 import io
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -172,11 +173,34 @@ def test_exif_orientation_applied():
         (Image.new("RGBA", (2, 2), (255, 0, 0, 255)), (255, 0, 0)),
         (Image.new("LA", (2, 2), (0, 255)), (0, 0, 0)),
         (Image.new("I;16", (2, 2), 65535), (255, 255, 255)),
+        (Image.new("I;16", (2, 2), 200), (1, 1, 1)),  # a dark 16-bit image stays dark (it came out at 200)
+        (Image.new("I;16", (2, 2), 25700), (100, 100, 100)),
     ],
 )
 def test_modes_to_rgb(img, expected):
     out = decode_image(png(img))
     assert out.mode == "RGB" and out.getpixel((1, 1)) == expected
+
+
+def test_padding_setting_in_tokenizer_json_does_not_reach_samples(tiny_tokenizer, tmp_path):
+    """A tokenizer.json with a padding setting (e.g. pad_to_multiple_of) must not pad every piece of text."""
+    import json
+    import shutil
+
+    from nanovlm.data.tokenizer import load_tokenizer
+
+    src = Path(tiny_tokenizer.name_or_path)
+    shutil.copytree(src, tmp_path / "tok")
+    spec = json.loads((tmp_path / "tok" / "tokenizer.json").read_text())
+    pad = {"strategy": "BatchLongest", "direction": "Right", "pad_to_multiple_of": 8, "pad_type_id": 0}
+    spec["padding"] = {**pad, "pad_id": tiny_tokenizer.pad_token_id, "pad_token": tiny_tokenizer.pad_token}
+    (tmp_path / "tok" / "tokenizer.json").write_text(json.dumps(spec))
+    padded_tok = load_tokenizer(tmp_path / "tok")
+    assert padded_tok.backend_tokenizer.padding is not None  # the setting is live in the loaded tokenizer
+    record = Record("k", conv("What colour is the square?", "red"))
+    want = SampleProcessor(tiny_tokenizer, 32, 4).process(record)
+    got = SampleProcessor(padded_tok, 32, 4).process(record)
+    assert got.input_ids.tolist() == want.input_ids.tolist() and got.labels.tolist() == want.labels.tolist()
 
 
 def test_cmyk_and_palette():

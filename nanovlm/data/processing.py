@@ -15,6 +15,7 @@ the generation prompt, so training, the index and generation agree token for tok
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import re
 import warnings
@@ -38,15 +39,21 @@ CACHED_PIECE_CHARS = 256  # longer pieces are rarely repeated: always tokenized
 # images
 
 
-# The raster formats PIL may decode (the members IMAGE_SUFFIXES names; MPO: multi-picture JPEG from cameras).
-# An explicit list, because sniffing every format PIL knows would hand an EPS/PostScript member to Ghostscript,
-# i.e. execute it: nothing in a dataset is ever executed.
-IMAGE_FORMATS = ("JPEG", "MPO", "PNG", "WEBP", "GIF", "BMP", "TIFF", "PPM")
+# The raster formats PIL may decode: the members IMAGE_SUFFIXES names (JPEG includes camera MPO files). An explicit
+# list, because sniffing every format PIL knows would hand an EPS/PostScript member to Ghostscript, i.e. execute
+# it: nothing in a dataset is ever executed.
+IMAGE_FORMATS = ("JPEG", "PNG", "WEBP", "GIF", "BMP", "TIFF", "PPM")
+
+
+@functools.cache
+def _available_formats() -> tuple[str, ...]:
+    Image.init()  # registers every plugin; a Pillow built without e.g. WebP simply lacks that one
+    return tuple(f for f in IMAGE_FORMATS if f in Image.ID)
 
 
 def open_image(data: bytes) -> Image.Image:
     """Open (not yet decode) image bytes as one of IMAGE_FORMATS, whatever the member is named."""
-    return Image.open(io.BytesIO(data), formats=IMAGE_FORMATS)
+    return Image.open(io.BytesIO(data), formats=_available_formats())
 
 
 def decode_image(data: bytes, max_pixels: int = 0, draft_size: int = 0, key: str = "") -> Image.Image:
@@ -92,7 +99,9 @@ def to_rgb(img: Image.Image) -> Image.Image:
         img = img.convert("RGBA") if "transparency" in img.info else img.convert("RGB")
     if img.mode.startswith("I") or img.mode == "F":
         arr = np.asarray(img, dtype=np.float64)
-        if arr.max(initial=0) > 255:  # 16-bit data
+        # I;16 is 16-bit by definition (a dark image has small values, not 8-bit ones); for I and F the values
+        # are the only hint
+        if img.mode.startswith("I;16") or arr.max(initial=0) > 255:
             arr = arr / 257.0
         img = Image.fromarray(np.clip(np.rint(arr), 0, 255).astype(np.uint8), mode="L")
     if img.mode in ("RGBA", "LA", "PA", "RGBa", "La"):
@@ -167,7 +176,11 @@ class SampleProcessor:
         self.resize = resize
         self.max_image_pixels = max_image_pixels
         # A private copy of the fast tokenizer with special-token matching off: content text is plain text.
+        # A tokenizer.json may carry a padding (or truncation) setting that transformers' own calls ignore; this
+        # copy would apply it to every piece of text, putting pad tokens inside samples.
         self._text = Tokenizer.from_str(tokenizer.backend_tokenizer.to_str())
+        self._text.no_padding()
+        self._text.no_truncation()
         self._text.encode_special_tokens = True
         ids = {t: tokenizer.convert_tokens_to_ids(t) for t in (IM_START, IM_END, IMAGE_TOKEN)}
         missing = [t for t, i in ids.items() if i is None or i == tokenizer.unk_token_id]
