@@ -52,6 +52,29 @@ def test_fingerprint_sees_chat_template(tiny_tokenizer, tmp_path):
     assert tokenizer_fingerprint(tok) != fp
 
 
+def test_fingerprint_sees_how_text_is_split_not_only_the_vocabulary(tiny_tokenizer, tmp_path):
+    """Same vocabulary, another pre-tokenizer (prefix space): other token counts, so another fingerprint. Indexes
+    written with the older vocabulary-only fingerprint are still recognised."""
+    import json
+
+    from nanovlm.data.processing import SampleProcessor
+    from nanovlm.data.tokenizer import _legacy_fingerprint, fingerprint_matches
+
+    tiny_tokenizer.save_pretrained(tmp_path / "t")
+    spec = json.loads((tmp_path / "t" / "tokenizer.json").read_text())
+    spec["pre_tokenizer"]["add_prefix_space"] = not spec["pre_tokenizer"].get("add_prefix_space", False)
+    (tmp_path / "t" / "tokenizer.json").write_text(json.dumps(spec))
+    other = load_tokenizer(tmp_path / "t")
+    msgs = [{"role": "user", "content": "what colour is it"}, {"role": "assistant", "content": "red"}]
+    counts = [SampleProcessor(t, 8, 4).text_tokens(msgs) for t in (tiny_tokenizer, other)]
+    assert counts[0] != counts[1]  # the change matters ...
+    assert _legacy_fingerprint(other) == _legacy_fingerprint(tiny_tokenizer)  # ... the old fingerprint missed it
+    assert tokenizer_fingerprint(other) != tokenizer_fingerprint(tiny_tokenizer)
+    assert not fingerprint_matches(tokenizer_fingerprint(tiny_tokenizer), other)
+    assert fingerprint_matches(_legacy_fingerprint(tiny_tokenizer), tiny_tokenizer)  # an older index still loads
+    assert not fingerprint_matches("0123456789abcdef", tiny_tokenizer)
+
+
 def test_load_adds_missing_special_tokens(tmp_path):
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast

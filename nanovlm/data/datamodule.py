@@ -46,7 +46,7 @@ from nanovlm.data.processing import SampleProcessor
 from nanovlm.data.producer import PackProducer, PlannedPack, Skip
 from nanovlm.data.reader import ShardReader
 from nanovlm.data.shards import EpochPlan, PackSpec, SampleTable, Segment, Topology, build_epoch_plan
-from nanovlm.data.tokenizer import load_tokenizer, tokenizer_fingerprint
+from nanovlm.data.tokenizer import fingerprint_matches, load_tokenizer, tokenizer_fingerprint
 from nanovlm.data.worker_signals import shield_from_preemption
 
 log = logging.getLogger(__name__)
@@ -332,7 +332,7 @@ class PackedMultimodalDataModule(L.LightningDataModule):
         datasets = []
         for d in dirs:
             idx = load_index(d)
-            if idx.tokenizer != fingerprint:
+            if not fingerprint_matches(idx.tokenizer, self.tokenizer):
                 raise DataMismatchError(
                     f"{d}: the index was made with tokenizer {idx.tokenizer}, but this run uses {fingerprint} "
                     f"({self.cfg.tokenizer}); its token lengths would be wrong. Re-run scripts/prepare_data.py "

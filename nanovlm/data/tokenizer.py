@@ -99,15 +99,53 @@ def build_tokenizer(
     return load_tokenizer(out)
 
 
-def tokenizer_fingerprint(tok: PreTrainedTokenizerBase) -> str:
-    """Short hash of vocabulary, special tokens and chat template.
+# Text that exercises what the vocabulary alone does not decide: normalizer, pre-tokenizer (prefix spaces,
+# whitespace runs, digits, punctuation), merges, unicode and the special-token strings read as plain content.
+_PROBE = (
+    "Hello world!  Two  spaces,\ttab\nnew line; don't STOP 12345 3.14159 (a) [b] {c} -- x_y/z\n"
+    " leading space café naïve Ünïcödé 東京タワー 😀 https://example.org/a?b=c&d=1 <image> <|im_end|>"
+)
 
-    Stored in a dataset index: token lengths in an index are only valid for the tokenizer that counted them.
-    """
-    payload = {
-        "vocab": sorted(tok.get_vocab().items()),
-        "special": sorted((t, tok.convert_tokens_to_ids(t)) for t in set(tok.all_special_tokens) | set(SPECIAL_TOKENS)),
-        "chat_template": getattr(tok, "chat_template", None) or "",
-    }
+
+def _probe_ids(tok: PreTrainedTokenizerBase) -> list[int]:
+    """Token ids of _PROBE as SampleProcessor counts text (special-token strings as plain text, no padding)."""
+    from tokenizers import Tokenizer
+
+    text = Tokenizer.from_str(tok.backend_tokenizer.to_str())
+    text.no_padding()
+    text.no_truncation()
+    text.encode_special_tokens = True
+    return text.encode(_PROBE, add_special_tokens=False).ids
+
+
+def _hash(payload: dict) -> str:
     blob = json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
     return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def _legacy_fingerprint(tok: PreTrainedTokenizerBase) -> str:
+    """The fingerprint of indexes written before the probe was added (vocabulary, special tokens, template)."""
+    return _hash(
+        {
+            "vocab": sorted(tok.get_vocab().items()),
+            "special": sorted(
+                (t, tok.convert_tokens_to_ids(t)) for t in set(tok.all_special_tokens) | set(SPECIAL_TOKENS)
+            ),
+            "chat_template": getattr(tok, "chat_template", None) or "",
+        }
+    )
+
+
+def tokenizer_fingerprint(tok: PreTrainedTokenizerBase) -> str:
+    """Short hash of vocabulary, special tokens, chat template and how a probe text tokenizes.
+
+    Stored in a dataset index: token lengths in an index are only valid for the tokenizer that counted them.
+    The probe catches tokenizers with the same vocabulary that count differently (another pre-tokenizer,
+    normalizer or merge list); the ``2-`` prefix tells it from the older vocabulary-only fingerprint.
+    """
+    return "2-" + _hash({"legacy": _legacy_fingerprint(tok), "probe": _probe_ids(tok)})
+
+
+def fingerprint_matches(stored: str, tok: PreTrainedTokenizerBase) -> bool:
+    """Whether an index's stored fingerprint was made by ``tok`` (older indexes: the vocabulary-only check)."""
+    return stored == (tokenizer_fingerprint(tok) if stored.startswith("2-") else _legacy_fingerprint(tok))
