@@ -417,6 +417,22 @@ def test_prepare_data_bad_tokenizer_and_nothing_written(tmp_path, tiny_tokenizer
     assert not (tmp_path / "o" / "index.json").exists()  # not an (empty) dataset that training would plan
 
 
+def test_input_files_with_colliding_names_keep_all_their_samples(tmp_path, tiny_tokenizer):
+    """a/x.jsonl, b/x.jsonl and c/x_1.jsonl: the renamed prefixes must not collide with a real stem (they gave
+    x_0, x_1, x_1, and every line of the third file was rejected as a duplicate key)."""
+    from nanovlm.cli.prepare_data import _key_stems
+
+    files = [tmp_path / d / n for d, n in (("a", "x.jsonl"), ("b", "x.jsonl"), ("c", "x_1.jsonl"))]
+    assert _key_stems(files) == ["x_0", "x_2", "x_1"]
+    sample = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yes"}]}
+    for f in files:
+        f.parent.mkdir()
+        _jsonl(f, [sample, sample])
+    args = ["--input", *map(str, files), "--output", str(tmp_path / "o")]
+    assert _prepare(tiny_tokenizer, *args) == 0
+    assert load_index(tmp_path / "o").num_samples == 6
+
+
 def test_scan_tar_reports_a_bad_header_instead_of_stopping_silently(tmp_path, make_dataset):
     idx = make_dataset(tmp_path / "ds", 4, samples_per_shard=4)
     path = idx.shard_path(0)

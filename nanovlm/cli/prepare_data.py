@@ -87,7 +87,7 @@ def _init_worker(tokenizer_path: str, max_pixels: int, allow_absolute: bool) -> 
 
 
 def _jsonl_work(task: tuple) -> tuple:
-    """(key, source, line, image_root) -> ("ok", PreparedSample) | ("skip", key, source, reason, detail)."""
+    """(key, source, line, image_root) -> ("ok", PreparedSample, source) | ("skip", key, source, reason, detail)."""
     from nanovlm.data.format import SampleError
     from nanovlm.data.prepare import prepare_jsonl_line
 
@@ -96,7 +96,7 @@ def _jsonl_work(task: tuple) -> tuple:
         sample = prepare_jsonl_line(
             line, key, Path(image_root), _STATE["processor"], _STATE["max_pixels"], _STATE["allow_absolute"]
         )
-        return ("ok", sample)
+        return ("ok", sample, source)
     except SampleError as e:
         return ("skip", key, source, e.reason, e.detail)
 
@@ -163,10 +163,21 @@ class Report:
 
 
 def _key_stems(files: list[Path]) -> list[str]:
-    """A key prefix per input file: its sanitized stem, made unique when two files share a stem."""
+    """A key prefix per input file: its sanitized stem, made unique when two files share a stem (a suffix that
+    is itself another file's stem is skipped: a/x, b/x and c/x_1 give x_0, x_2 and x_1)."""
     stems = [re.sub(r"[^A-Za-z0-9_-]", "_", f.stem) or "input" for f in files]
     counts = Counter(stems)
-    return [f"{s}_{i}" if counts[s] > 1 else s for i, s in enumerate(stems)]
+    taken = {s for s in stems if counts[s] == 1}
+    out = []
+    for s in stems:
+        if counts[s] > 1:
+            i = 0
+            while f"{s}_{i}" in taken:
+                i += 1
+            s = f"{s}_{i}"
+        taken.add(s)
+        out.append(s)
+    return out
 
 
 def _count_lines(files: list[Path]) -> int:
@@ -202,8 +213,8 @@ def run_jsonl(args, files: list[Path], out_dir: Path, tok_path: str, fingerprint
                 try:
                     writer.add(res[1])
                     report.written += 1
-                except SampleError as e:
-                    report.skip(e.key, "", e.reason, e.detail)
+                except SampleError as e:  # e.g. a duplicate key
+                    report.skip(e.key, res[2], e.reason, e.detail)
             else:
                 report.skip(*res[1:])
             bar.update(1)
