@@ -183,6 +183,32 @@ def test_config_mismatch_lists_every_difference(siglip_dir, llama_dir):
         load_language_weights(LanguageModel(wrong_lm, 128), str(lm_path))
 
 
+@pytest.mark.parametrize("key", ["rope_type", "type"])
+def test_scaled_rope_is_refused_also_in_the_older_config_layout(llama_dir, monkeypatch, key):
+    """transformers 4.x configs keep RoPE scaling in ``rope_scaling`` (older ones under "type"), 5.x in
+    ``rope_parameters``: a llama3-scaled checkpoint must not load with plain RoPE either way."""
+    from types import SimpleNamespace
+
+    import transformers
+
+    _, path = llama_dir
+    real = transformers.AutoConfig.from_pretrained
+
+    def older_layout(*args, **kwargs):  # a 4.x-style config: plain attributes, rope_theta + rope_scaling
+        hf = real(*args, **kwargs)
+        names = ["hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size"]
+        names += ["rms_norm_eps", "hidden_act", "tie_word_embeddings", "max_position_embeddings"]
+        return SimpleNamespace(
+            **{n: getattr(hf, n) for n in names},
+            rope_theta=LANGUAGE.rope_theta,
+            rope_scaling={key: "llama3", "factor": 8.0},
+        )
+
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", older_layout)
+    with pytest.raises(CheckpointMismatchError, match="rope_type: checkpoint 'llama3' vs config 'default'"):
+        load_language_weights(LanguageModel(LANGUAGE, 128), str(path))
+
+
 def test_shape_mismatch_and_missing_checkpoint(tmp_path, llama_dir):
     _, lm_path = llama_dir
     with pytest.raises(

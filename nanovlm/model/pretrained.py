@@ -196,7 +196,9 @@ def load_language_weights(language: nn.Module, name_or_path: str) -> None:
     if not hasattr(hf, "num_key_value_heads") and hasattr(hf, "text_config"):  # a composite config
         hf = hf.text_config
     cfg = language.cfg
-    rope = getattr(hf, "rope_parameters", None) or {}
+    # transformers >= 5: rope_parameters (theta and scaling); 4.x: rope_theta + rope_scaling ("rope_type" or "type")
+    rope = dict(getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {})
+    rope.setdefault("rope_type", rope.get("type", "default"))
     theta = rope.get("rope_theta", getattr(hf, "rope_theta", None))
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
     _check_config(
