@@ -92,7 +92,15 @@ def test_analyze_cli_writes_plots_and_summary(tmp_path, make_dataset, capsys):
         in summary
     )
     assert "pad to longest" in summary and "packing, online packer" in summary
-    assert "recommended: data.max_tokens=" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "recommended: data.max_tokens=" in printed and "note:" not in printed
+    # an index prepared for another image-token count is analysed with the one asked for, and that is said
+    assert main([str(tmp_path / "ds"), "--out", str(out), "--max-tokens", "256", "--image-token-count", "64"]) == 0
+    assert (
+        f"note: {tmp_path / 'ds'} was prepared for 16 tokens per image; this analysis uses 64"
+        in capsys.readouterr().out
+    )
+    assert json.loads((out / "report.json").read_text())["index_image_token_counts"] == {str(tmp_path / "ds"): 16}
 
 
 def test_analyze_cli_errors(tmp_path):

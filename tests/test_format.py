@@ -39,6 +39,8 @@ def test_native_line():
     assert [m["role"] for m in messages] == ["system", "user", "assistant"]
     assert messages[1]["content"] == "<image> and <image>: same?"
     assert extra == {"id": 7}
+    # the first line of a file saved with a UTF-8 byte-order mark (it was rejected as bad_json)
+    assert parse_jsonl_line(b"\xef\xbb\xbf" + line.encode()) == (messages, refs, extra)
 
 
 def test_llava_line_maps_roles_and_keeps_placeholder():

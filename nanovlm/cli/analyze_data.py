@@ -63,6 +63,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     batch = args.batch_size if args.batch_size is not None else cfg.data.batch_size
     if budget <= 0 or batch <= 0 or itc <= 0:
         raise SystemExit("error: --max-tokens, --batch-size and --image-token-count must be positive")
+    differing = {
+        d: idx.image_token_count for d, idx in zip(args.dirs, indexes) if idx.image_token_count not in (0, itc)
+    }
+    for d, n in differing.items():  # lengths are recomputed with itc; say so when the data was made for another count
+        print(f"note: {d} was prepared for {n} tokens per image; this analysis uses {itc} (--image-token-count)")
     stats = collect(indexes, itc)
     res = write_report(
         stats, args.out, budget, batch, cfg.data.max_images, cfg.data.lookahead, args.seed, args.max_budget
@@ -81,6 +86,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"recommended: data.max_tokens={res['recommended_max_tokens']} data.overlength={res['recommended_overlength']}"
     )
     print(f"report: {args.out}/summary.md and {', '.join(res['plots'])}")
+    res["index_image_token_counts"] = {d: idx.image_token_count for d, idx in zip(args.dirs, indexes)}
     with open(f"{args.out}/report.json", "w") as f:
         json.dump(res, f, indent=1, sort_keys=True)
     return 0

@@ -166,7 +166,7 @@ def parse_jsonl_line(line: str | bytes, key: str = "") -> tuple[list[dict], list
         except UnicodeDecodeError as e:
             raise SampleError("bad_utf8", key, str(e)) from None
     try:
-        obj = json.loads(line)
+        obj = json.loads(line.removeprefix("\ufeff"))  # a byte-order mark (files saved by some editors)
     except json.JSONDecodeError as e:
         raise SampleError("bad_json", key, str(e)) from None
     return parse_json_sample(obj, key)
