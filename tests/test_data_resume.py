@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import run_forked_ranks
 from test_datamodule import IMAGE_TOKENS, all_keys, make_cfg, make_dm, take
 
 from nanovlm.data.datamodule import DataPositionCallback, DataStateError, PackedMultimodalDataModule
@@ -191,7 +192,7 @@ def test_lightning_checkpoint_resume_continues_exactly(data, tiny_tokenizer, tmp
     assert resumed == full[4:]
 
 
-def _dist_rank(rank, world_size, port, cfg, tokenizer, out_dir):
+def _dist_rank(rank, port, world_size, cfg, tokenizer, out_dir):
     """One rank of a 2-process gloo group: consume 3 batches, save the gathered state and the next keys."""
     import json
     import os
@@ -219,21 +220,9 @@ def _dist_rank(rank, world_size, port, cfg, tokenizer, out_dir):
 @pytest.mark.distributed
 def test_state_dict_gathers_every_rank_under_torch_distributed(data, tiny_tokenizer, tmp_path):
     import json
-    import multiprocessing as mp
-    import socket
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     cfg = make_cfg([data / "a", data / "b"])
-    ctx = mp.get_context("fork")
-    procs = [ctx.Process(target=_dist_rank, args=(r, 2, port, cfg, tiny_tokenizer, tmp_path)) for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(120)
-    errors = [f.read_text() for f in tmp_path.glob("error*.txt")]
-    assert not errors and all(p.exitcode == 0 for p in procs), errors
+    run_forked_ranks(_dist_rank, 2, tmp_path, 2, cfg, tiny_tokenizer, tmp_path)
     state = torch.load(tmp_path / "state.pt", weights_only=True)
     assert [r["rank"] for r in state["ranks"]] == [0, 1] and state["world_size"] == 2  # rank 1 was not lost
     for rank in range(2):

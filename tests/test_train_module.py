@@ -11,7 +11,7 @@ from pathlib import Path
 import lightning.pytorch as pl
 import pytest
 import torch
-from conftest import MICRO_MODEL
+from conftest import MICRO_MODEL, run_forked_ranks
 from torch.utils.data import DataLoader, IterableDataset
 
 from nanovlm.config import Config, image_token_count, load_config
@@ -369,20 +369,7 @@ def _telemetry_rank(rank: int, port: int, skips: dict, out: Path) -> None:
 @pytest.mark.distributed
 def test_skipped_samples_metric_sums_every_rank(tmp_path):
     """``train/skipped_samples`` counts the skips of all ranks, like the other summed metrics (it was rank 0's)."""
-    import multiprocessing as mp
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     skips = {0: {"overlength": 1}, 1: {"unreadable_image": 5, "overlength": 2}}
-    ctx = mp.get_context("fork")
-    procs = [ctx.Process(target=_telemetry_rank, args=(r, port, skips, tmp_path / "rows.json")) for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(120)
-    errors = [f.read_text() for f in tmp_path.glob("error*.txt")]
-    assert not errors and all(p.exitcode == 0 for p in procs), errors
+    run_forked_ranks(_telemetry_rank, 2, tmp_path, skips, tmp_path / "rows.json")
     rows = json.loads((tmp_path / "rows.json").read_text())
     assert rows[0]["train/skipped_samples"] == 8.0 and rows[0]["train/tokens_per_s"] > 0
