@@ -185,3 +185,22 @@ def test_torchrun_without_trainer_devices_uses_the_launchers_processes(small_dem
     assert "[launch] torchrun started 1 node(s) x 2 processes: using trainer.devices=2" in out
     for name in ("steps.jsonl", "steps.rank1.jsonl"):
         assert len((run_dir / name).read_text().splitlines()) == 2
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_fsdp_validation_with_an_image_less_pack_on_one_rank(tmp_path):
+    """3 validation samples on 2 ranks, one per pack: one rank's second pack is empty (no images). Under FSDP2
+    every rank must still gather the vision blocks, or the collectives pair up wrongly (gloo aborted)."""
+    from nanovlm.data.demo import make_demo_data
+
+    data = tmp_path / "data"
+    make_demo_data(data, train_samples=80, val_samples=3, samples_per_shard=40, image_token_count=4)
+    extra = ["trainer.max_steps=2", "trainer.devices=2", "trainer.strategy=fsdp", "trainer.val_batches=10"]
+    extra += ["data.max_tokens=48", "data.overlength=truncate", "data.num_workers=0"]
+    proc = subprocess.run(
+        train_cmd(data, tmp_path / "run", *extra), cwd=REPO, capture_output=True, text=True, timeout=TIMEOUT
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    assert "[val] step 2: val/loss" in out

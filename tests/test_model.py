@@ -217,6 +217,21 @@ def test_no_loss_tokens_gives_zero_loss_with_graph_and_every_parameter_gets_a_gr
     assert missing == []
 
 
+def test_sharded_model_runs_the_vision_path_for_an_image_less_pack_also_without_gradients():
+    """Under FSDP2 every rank must gather the same weights in the same order: a pack without images (e.g. an empty
+    validation pack on one rank) still runs the vision blocks, with no effect on the output."""
+    model = make_model().eval()
+    calls = []
+    model.vision.register_forward_hook(lambda *_: calls.append(1))
+    batch = alone(samples()[1])  # no image
+    with torch.no_grad():
+        plain = model(batch)["logits"]
+        assert calls == []  # unsharded: nothing to keep in step, the vision path is skipped
+        model.vision_every_forward = True  # what strategies.shard_model sets
+        every = model(batch)["logits"]
+    assert calls == [1] and torch.equal(plain, every)
+
+
 def test_uint8_pixels_are_required():
     model = make_model()
     batch = alone(samples()[0])

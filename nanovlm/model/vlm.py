@@ -46,6 +46,10 @@ class NanoVLM(nn.Module):
         self.vision = VisionEncoder(cfg.vision, cfg.attn_backend)
         self.projector = Projector(cfg)
         self.language = LanguageModel(cfg.language, vocab_size, cfg.attn_backend)
+        # Run the vision path on every forward, also for a pack without images and without gradients (a blank
+        # image scaled by zero). Set when the model is sharded (FSDP2): each vision block all-gathers its weights
+        # on forward, so a rank that skipped them would pair its next all-gather with another rank's vision one.
+        self.vision_every_forward = False
         self.init_weights()
 
     # ------------------------------------------------------------------------------------------------------
@@ -99,11 +103,13 @@ class NanoVLM(nn.Module):
         if n_images:
             image_embeds = self.encode_images(pixel_values).to(embeds.dtype)  # [n, itc, hidden]
             embeds = embeds.masked_scatter(is_image[..., None], image_embeds)
-        elif torch.is_grad_enabled() and any(
-            p.requires_grad for p in (*self.vision.parameters(), *self.projector.parameters())
+        elif self.vision_every_forward or (
+            torch.is_grad_enabled()
+            and any(p.requires_grad for p in (*self.vision.parameters(), *self.projector.parameters()))
         ):
             # A pack without images still runs the vision path on one blank image, scaled by zero: every
-            # parameter then takes part in the graph (gradient 0), as DDP requires of each rank at each step.
+            # parameter then takes part in the graph (gradient 0), as DDP requires of each rank at each step, and
+            # a sharded model gathers the same weights on every rank (see vision_every_forward).
             size = self.cfg.vision.image_size
             blank = torch.zeros(1, 3, size, size, dtype=torch.uint8, device=input_ids.device)
             embeds = embeds + 0.0 * self.encode_images(blank).sum().to(embeds.dtype)

@@ -98,6 +98,8 @@ def shard_model(model: nn.Module, precision: str, device: torch.device) -> None:
     for block in transformer_blocks(model):
         fully_shard(block, **kwargs)
     fully_shard(model, **kwargs)
+    if hasattr(model, "vision_every_forward"):  # a pack without images must gather the vision blocks too
+        model.vision_every_forward = True
 
 
 def launcher_topology(devices: Any, num_nodes: int) -> tuple[Any, int]:
