@@ -58,7 +58,7 @@ def test_fingerprint_sees_how_text_is_split_not_only_the_vocabulary(tiny_tokeniz
     import json
 
     from nanovlm.data.processing import SampleProcessor
-    from nanovlm.data.tokenizer import _legacy_fingerprint, fingerprint_matches
+    from nanovlm.data.tokenizer import _legacy_fingerprint, accepted_fingerprints
 
     tiny_tokenizer.save_pretrained(tmp_path / "t")
     spec = json.loads((tmp_path / "t" / "tokenizer.json").read_text())
@@ -70,9 +70,10 @@ def test_fingerprint_sees_how_text_is_split_not_only_the_vocabulary(tiny_tokeniz
     assert counts[0] != counts[1]  # the change matters ...
     assert _legacy_fingerprint(other) == _legacy_fingerprint(tiny_tokenizer)  # ... the old fingerprint missed it
     assert tokenizer_fingerprint(other) != tokenizer_fingerprint(tiny_tokenizer)
-    assert not fingerprint_matches(tokenizer_fingerprint(tiny_tokenizer), other)
-    assert fingerprint_matches(_legacy_fingerprint(tiny_tokenizer), tiny_tokenizer)  # an older index still loads
-    assert not fingerprint_matches("0123456789abcdef", tiny_tokenizer)
+    assert tokenizer_fingerprint(tiny_tokenizer) not in accepted_fingerprints(other)
+    assert _legacy_fingerprint(tiny_tokenizer) in accepted_fingerprints(tiny_tokenizer)  # an older index still loads
+    assert accepted_fingerprints(tiny_tokenizer)[0] == tokenizer_fingerprint(tiny_tokenizer)
+    assert "0123456789abcdef" not in accepted_fingerprints(tiny_tokenizer)
 
 
 def test_load_adds_missing_special_tokens(tmp_path):

@@ -46,7 +46,7 @@ from nanovlm.data.processing import SampleProcessor
 from nanovlm.data.producer import PackProducer, PlannedPack, Skip
 from nanovlm.data.reader import ShardReader
 from nanovlm.data.shards import EpochPlan, PackSpec, SampleTable, Segment, Topology, build_epoch_plan
-from nanovlm.data.tokenizer import fingerprint_matches, load_tokenizer, tokenizer_fingerprint
+from nanovlm.data.tokenizer import accepted_fingerprints, load_tokenizer
 from nanovlm.data.worker_signals import shield_from_preemption
 
 log = logging.getLogger(__name__)
@@ -328,11 +328,12 @@ class PackedMultimodalDataModule(L.LightningDataModule):
         return Topology(self.world_size, self.cfg.num_workers)
 
     def _load_table(self, dirs: list[str]) -> SampleTable:
-        fingerprint = tokenizer_fingerprint(self.tokenizer)
+        accepted = accepted_fingerprints(self.tokenizer)
+        fingerprint = accepted[0]
         datasets = []
         for d in dirs:
             idx = load_index(d)
-            if not fingerprint_matches(idx.tokenizer, self.tokenizer):
+            if idx.tokenizer not in accepted:
                 raise DataMismatchError(
                     f"{d}: the index was made with tokenizer {idx.tokenizer}, but this run uses {fingerprint} "
                     f"({self.cfg.tokenizer}); its token lengths would be wrong. Re-run scripts/prepare_data.py "

@@ -27,7 +27,7 @@ import torch
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 from nanovlm.data.format import IMAGE_PLACEHOLDER, Record, SampleError
-from nanovlm.data.tokenizer import IM_END, IM_START, IMAGE_TOKEN
+from nanovlm.data.tokenizer import IM_END, IM_START, IMAGE_TOKEN, plain_text_tokenizer
 
 IGNORE_INDEX = -100
 LETTERBOX_FILL = (128, 128, 128)  # ~the normalisation mean, so padding is ~0 after normalisation
@@ -168,20 +168,12 @@ class SampleProcessor:
     ):
         if resize not in ("squash", "letterbox"):
             raise ValueError(f"unknown resize mode {resize!r}; choose squash or letterbox")
-        from tokenizers import Tokenizer
-
         self.tokenizer = tokenizer
         self.image_size = image_size
         self.image_token_count = image_token_count
         self.resize = resize
         self.max_image_pixels = max_image_pixels
-        # A private copy of the fast tokenizer with special-token matching off: content text is plain text.
-        # A tokenizer.json may carry a padding (or truncation) setting that transformers' own calls ignore; this
-        # copy would apply it to every piece of text, putting pad tokens inside samples.
-        self._text = Tokenizer.from_str(tokenizer.backend_tokenizer.to_str())
-        self._text.no_padding()
-        self._text.no_truncation()
-        self._text.encode_special_tokens = True
+        self._text = plain_text_tokenizer(tokenizer)  # content text is plain text (no special tokens, no padding)
         ids = {t: tokenizer.convert_tokens_to_ids(t) for t in (IM_START, IM_END, IMAGE_TOKEN)}
         missing = [t for t, i in ids.items() if i is None or i == tokenizer.unk_token_id]
         if missing:

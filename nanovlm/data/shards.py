@@ -310,26 +310,16 @@ def plan_order(
         per_slot = [slot + [np.zeros(0, np.int64)] * (k - len(slot)) for slot in per_slot]
     else:
         k = min(len(p) for p in per_slot) if per_slot else 0
-    if k == 0 and len(order) and not finite:
-        if remainder:  # too little left for the new slots: the epoch ends, the rest opens the next one
-            return EpochPlan(
-                epoch=epoch,
-                topology=topology,
-                order=order,
-                packs_per_slot=0,
-                pack_items=np.zeros(0, np.int64),
-                pack_start=np.zeros(1, np.int64),
-                lengths=eff,
-                carry_out=order.copy(),  # skips included: the next epoch plans and reports them
-                skipped={},
-                truncated=0,
-                slot_bounds=bounds,
-            )
-        raise PlanError(_no_pack_message(epoch, len(order), topology, skips))
     kept = [p for slot in per_slot for p in slot[:k]]
     cut = [p for slot in per_slot for p in slot[k:]]
-    sizes = np.array([len(p) for p in kept], np.int64)
     carry_pos = np.concatenate(cut) if cut else np.zeros(0, np.int64)
+    if k == 0 and len(order) and not finite:
+        if not remainder:
+            raise PlanError(_no_pack_message(epoch, len(order), topology, skips))
+        # too little left for the new slots: the epoch ends and all of the rest opens the next one, skips
+        # included (the next epoch plans and reports them)
+        carry_pos, skips = np.arange(len(order)), {}
+    sizes = np.array([len(p) for p in kept], np.int64)
     return EpochPlan(
         epoch=epoch,
         topology=topology,

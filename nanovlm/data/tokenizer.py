@@ -107,15 +107,17 @@ _PROBE = (
 )
 
 
-def _probe_ids(tok: PreTrainedTokenizerBase) -> list[int]:
-    """Token ids of _PROBE as SampleProcessor counts text (special-token strings as plain text, no padding)."""
+def plain_text_tokenizer(tok: PreTrainedTokenizerBase):
+    """A private ``tokenizers.Tokenizer`` copy of ``tok`` that reads content as plain text: special-token strings
+    in it are not matched, and a padding or truncation setting stored in tokenizer.json (which transformers' own
+    calls ignore, but this copy would apply to every piece of text) is switched off."""
     from tokenizers import Tokenizer
 
     text = Tokenizer.from_str(tok.backend_tokenizer.to_str())
     text.no_padding()
     text.no_truncation()
     text.encode_special_tokens = True
-    return text.encode(_PROBE, add_special_tokens=False).ids
+    return text
 
 
 def _hash(payload: dict) -> str:
@@ -136,6 +138,11 @@ def _legacy_fingerprint(tok: PreTrainedTokenizerBase) -> str:
     )
 
 
+def _fingerprint_of(legacy: str, tok: PreTrainedTokenizerBase) -> str:
+    probe = plain_text_tokenizer(tok).encode(_PROBE, add_special_tokens=False).ids  # as SampleProcessor counts
+    return "2-" + _hash({"legacy": legacy, "probe": probe})
+
+
 def tokenizer_fingerprint(tok: PreTrainedTokenizerBase) -> str:
     """Short hash of vocabulary, special tokens, chat template and how a probe text tokenizes.
 
@@ -143,9 +150,11 @@ def tokenizer_fingerprint(tok: PreTrainedTokenizerBase) -> str:
     The probe catches tokenizers with the same vocabulary that count differently (another pre-tokenizer,
     normalizer or merge list); the ``2-`` prefix tells it from the older vocabulary-only fingerprint.
     """
-    return "2-" + _hash({"legacy": _legacy_fingerprint(tok), "probe": _probe_ids(tok)})
+    return _fingerprint_of(_legacy_fingerprint(tok), tok)
 
 
-def fingerprint_matches(stored: str, tok: PreTrainedTokenizerBase) -> bool:
-    """Whether an index's stored fingerprint was made by ``tok`` (older indexes: the vocabulary-only check)."""
-    return stored == (tokenizer_fingerprint(tok) if stored.startswith("2-") else _legacy_fingerprint(tok))
+def accepted_fingerprints(tok: PreTrainedTokenizerBase) -> tuple[str, str]:
+    """(current, older vocabulary-only) fingerprints of ``tok``: an index made by ``tok`` stores one of them
+    (the two never collide: only the current one has the ``2-`` prefix)."""
+    legacy = _legacy_fingerprint(tok)
+    return _fingerprint_of(legacy, tok), legacy

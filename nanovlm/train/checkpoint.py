@@ -81,13 +81,13 @@ class RunDirConflictError(RuntimeError):
     """The run directory holds checkpoints of a later step than the run starts from (another run's)."""
 
 
-def check_no_later_checkpoints(cfg: Config, resume: Path | None) -> None:
-    """Refuse to start (fresh, or from an explicit older checkpoint) next to checkpoints of later steps.
+def check_no_later_checkpoints(cfg: Config, resume: Path | None, start: int) -> None:
+    """Refuse to start (fresh, or from an explicit older checkpoint ``resume`` at step ``start``) next to
+    checkpoints of later steps.
 
     They belong to another run: keep-last-N would delete the new run's checkpoints first (theirs have the
     higher steps), and a later ``checkpoint.resume=auto`` would pick theirs up.
     """
-    start = 0 if resume is None else checkpoint_step(resume)
     directory = checkpoint_dir(cfg)
     later = [step for step, _ in list_checkpoints(directory) if step > start]
     if later:

@@ -233,8 +233,8 @@ def train(
     if module is None:
         module = VLMModule(cfg, datamodule.tokenizer)
     resume = resolve_resume(cfg)
-    check_no_later_checkpoints(cfg, resume)
     resume_step = checkpoint_step(resume) if resume is not None else 0
+    check_no_later_checkpoints(cfg, resume, resume_step)
     trainer, ckpt, telemetry = build_trainer(cfg, config_files, resume_step)
     if strategies.global_rank_from_env() == 0:
         save_config(cfg, cfg.trainer.run_dir)
