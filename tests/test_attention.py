@@ -85,6 +85,23 @@ def test_unavailable_backend_says_why_and_how_to_fix(name):
     assert name in msg and "needs a CUDA device" in msg and "attn_backend=sdpa" in msg
 
 
+@pytest.mark.parametrize("name", ["flash_attn", "torch_varlen"])
+def test_gpus_before_ampere_get_sdpa_not_a_flash_kernel(monkeypatch, name):
+    """Both kernels are FlashAttention, which refuses compute capability < 8.0 (T4, V100) at the first step."""
+    import nanovlm.model.attention as attn_mod
+
+    monkeypatch.setattr(attn_mod, "_flash_attn_import_error", lambda: None)  # as if flash-attn were installed
+    monkeypatch.setattr(attn_mod, "_torch_varlen_fn", lambda: varlen_attn_2_13)
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
+    with pytest.raises(BackendUnavailableError, match=r"Ampere or newer GPU .*has 7\.5"):
+        resolve_backend(name, cuda, torch.bfloat16)
+    assert resolve_backend("auto", cuda, torch.bfloat16) == "sdpa"
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert resolve_backend(name, cuda, torch.bfloat16) == name
+    assert resolve_backend("auto", cuda, torch.bfloat16) == "flash_attn"
+
+
 def test_unknown_backend_and_bad_shapes():
     q, k, v, cu, max_len = make_inputs([4], 3, 2, 8)
     with pytest.raises(ValueError, match="unknown attention backend 'flash'"):
@@ -93,6 +110,10 @@ def test_unknown_backend_and_bad_shapes():
         attention(q, k, v, cu, max_len, causal=True, backend="sdpa")
     with pytest.raises(ValueError, match="THD"):
         attention(q[None], k[None], v[None], cu, max_len, causal=True, backend="sdpa")
+    # int64 boundaries work with the sdpa loop but not with the GPU kernels: refused on every backend
+    q, k, v, cu, max_len = make_inputs([4], 2, 2, 8)
+    with pytest.raises(ValueError, match="cu_seqlens must be int32"):
+        attention(q, k, v, cu.long(), max_len, causal=True, backend="sdpa")
 
 
 def _reference_kernel(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, causal, gqa_allowed):

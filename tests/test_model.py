@@ -232,6 +232,27 @@ def test_sharded_model_runs_the_vision_path_for_an_image_less_pack_also_without_
     assert calls == [1] and torch.equal(plain, every)
 
 
+def test_attention_backend_is_resolved_once_per_forward_not_in_every_layer(monkeypatch):
+    """The layers get the backend from their model: a compiled block never runs the resolver, whose lazy import
+    and log call split the block's graph (on CUDA each block compiled to about five graphs)."""
+    import nanovlm.model.attention as attn_mod
+
+    calls = []
+    real = attn_mod._unavailable_reason
+    monkeypatch.setattr(attn_mod, "_unavailable_reason", lambda *a: calls.append(a) or real(*a))
+    batch = pack(samples())
+    counts = {}
+    for layers in (1, 4):
+        cfg = tiny_cfg()
+        cfg.language.num_layers = cfg.vision.num_layers = layers
+        cfg.attn_backend = "auto"
+        model = NanoVLM(cfg, VOCAB, IMAGE_ID)
+        calls.clear()
+        model(batch)
+        counts[layers] = len(calls)
+    assert counts[1] == counts[4] > 0, counts
+
+
 def test_uint8_pixels_are_required():
     model = make_model()
     batch = alone(samples()[0])

@@ -84,10 +84,12 @@ def _unavailable_reason(name: str, device: torch.device, dtype: torch.dtype) -> 
         err = _flash_attn_import_error()
         if err is not None:
             return f"flash_attn is not importable ({err}); install it with `pip install flash-attn --no-build-isolation` (or `pip install -e .[flash]`), or {fix}"
-        if torch.cuda.get_device_capability(device)[0] < 8:
-            return f"flash_attn needs an Ampere or newer GPU (compute capability >= 8.0); {fix}"
     if name == "torch_varlen" and _torch_varlen_fn() is None:
         return f"torch.nn.attention.varlen is missing in torch {torch.__version__} (needs >= 2.10); upgrade torch, or {fix}"
+    # Both kernels are FlashAttention (torch's varlen_attn calls aten::_flash_attention_forward): sm80 and up.
+    major, minor = torch.cuda.get_device_capability(device)
+    if major < 8:
+        return f"{name} needs an Ampere or newer GPU (compute capability >= 8.0, this one has {major}.{minor}); {fix}"
     return None
 
 
@@ -176,6 +178,13 @@ def _torch_varlen(q, k, v, cu_seqlens, max_seqlen, causal):
 _IMPLS = {"sdpa": _sdpa, "flash_attn": _flash_attn, "torch_varlen": _torch_varlen}
 
 
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype the projections of ``x`` will have: autocast's when it is on for x's device, else x's own.
+    Lets a caller resolve the attention backend once, before the layers run."""
+    dev = x.device.type
+    return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
+
+
 def attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -184,17 +193,25 @@ def attention(
     max_seqlen: int,
     causal: bool,
     backend: str = "auto",
+    kernel: str | None = None,
 ) -> torch.Tensor:
     """Attention within each segment of a packed sequence.
 
     q [T, Hq, D], k/v [T, Hkv, D], cu_seqlens int32 [N+1] (0, ..., T) on q's device, max_seqlen = longest
     segment. Returns [T, Hq, D]. Softmax scale is 1/sqrt(D).
+
+    ``kernel``: ``resolve_backend(backend, ...)`` done once by the caller (the model, for all its layers). A
+    compiled block then never runs the resolver, whose lazy import and log call would split its graph.
     """
     if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
         raise ValueError(f"attention expects THD tensors [tokens, heads, dim]; got q{tuple(q.shape)} k{tuple(k.shape)}")
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of kv heads ({k.shape[1]})")
-    name = resolve_backend(backend, q.device, q.dtype)
+    if cu_seqlens.dtype != torch.int32 or cu_seqlens.device != q.device:
+        raise ValueError(
+            f"cu_seqlens must be int32 on the device of q ({q.device}); got {cu_seqlens.dtype} on {cu_seqlens.device}"
+        )
+    name = kernel if kernel is not None else resolve_backend(backend, q.device, q.dtype)
     max_seqlen = int(max_seqlen)
     if backend == "auto" and (cu_seqlens.numel() - 1) * max_seqlen == q.shape[0]:
         name = "sdpa"  # equal segments: one batched SDPA call beats the varlen kernels (measured above)

@@ -20,7 +20,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from nanovlm.config import LanguageConfig
-from nanovlm.model.attention import attention, expand_kv
+from nanovlm.model.attention import attention, compute_dtype, expand_kv, resolve_backend
 
 
 class RMSNorm(nn.Module):
@@ -103,7 +103,7 @@ class DecoderAttention(nn.Module):
         self.qkv_proj = nn.Linear(cfg.hidden_size, (cfg.num_heads + 2 * cfg.num_kv_heads) * self.head_dim, bias=False)
         self.o_proj = nn.Linear(cfg.num_heads * self.head_dim, cfg.hidden_size, bias=False)
 
-    def forward(self, x, rope, cu_seqlens=None, max_seqlen=None, pad_mask=None, cache=None, layer_idx=0):
+    def forward(self, x, rope, cu_seqlens=None, max_seqlen=None, pad_mask=None, cache=None, layer_idx=0, kernel=None):
         b, t, _ = x.shape
         h, hkv = self.num_heads, self.num_kv_heads
         qkv = self.qkv_proj(x).view(b, t, h + 2 * hkv, self.head_dim)
@@ -121,7 +121,7 @@ class DecoderAttention(nn.Module):
                 raise ValueError(f"a packed batch has one row; got input of shape {tuple(x.shape[:2])}")
             # squeeze, not [0]: a view whose backward is a view (indexing's backward writes a zero tensor)
             q, k, v = q.squeeze(0), k.squeeze(0), v.squeeze(0)
-            out = attention(q, k, v, cu_seqlens, max_seqlen, causal=True, backend=self.attn_backend).unsqueeze(0)
+            out = attention(q, k, v, cu_seqlens, max_seqlen, True, self.attn_backend, kernel).unsqueeze(0)
         else:  # padded [B, T] (pad_mask [B, 1, T, T]) or a single unpadded row (pad_mask None: plain causal)
             out = self._sdpa(q, k, v, pad_mask, causal=pad_mask is None)
         return self.o_proj(out.reshape(b, t, self.num_heads * self.head_dim))
@@ -168,6 +168,7 @@ class LanguageModel(nn.Module):
         self.cfg = cfg
         self.vocab_size = vocab_size
         self.head_dim = cfg.hidden_size // cfg.num_heads
+        self.attn_backend = attn_backend
         self.embed_tokens = nn.Embedding(vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList([DecoderLayer(cfg, attn_backend) for _ in range(cfg.num_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -203,9 +204,19 @@ class LanguageModel(nn.Module):
             pad_mask = (causal & keep[:, None, :]) | torch.eye(t, dtype=torch.bool, device=keep.device)
             pad_mask = pad_mask[:, None]
         x = inputs_embeds
+        kernel = None  # packed rows: the attention backend, chosen once here rather than in every (compiled) layer
+        if cu_seqlens is not None and cache is None:
+            kernel = resolve_backend(self.attn_backend, x.device, compute_dtype(x))
         for i, layer in enumerate(self.layers):
             x = layer(
-                x, rope, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, pad_mask=pad_mask, cache=cache, layer_idx=i
+                x,
+                rope,
+                cu_seqlens=cu_seqlens,
+                max_seqlen=max_seqlen,
+                pad_mask=pad_mask,
+                cache=cache,
+                layer_idx=i,
+                kernel=kernel,
             )
         if cache is not None:
             cache.length += inputs_embeds.shape[1]

@@ -13,7 +13,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from nanovlm.config import VisionConfig
-from nanovlm.model.attention import attention
+from nanovlm.model.attention import attention, compute_dtype, resolve_backend
 
 
 class VisionAttention(nn.Module):
@@ -25,11 +25,11 @@ class VisionAttention(nn.Module):
         self.qkv_proj = nn.Linear(cfg.hidden_size, 3 * cfg.hidden_size)  # SigLIP's q/k/v_proj stacked: one GEMM
         self.out_proj = nn.Linear(cfg.hidden_size, cfg.hidden_size)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, kernel: str | None = None) -> torch.Tensor:
         n, p, d = x.shape  # [images, patches, hidden]
         q, k, v = self.qkv_proj(x).view(n * p, 3, self.num_heads, self.head_dim).unbind(1)  # 3 x [n*p, H, hd]
         cu_seqlens = torch.arange(0, (n + 1) * p, p, dtype=torch.int32, device=x.device)  # one segment per image
-        out = attention(q, k, v, cu_seqlens, p, causal=False, backend=self.attn_backend)  # [n*p, H, hd]
+        out = attention(q, k, v, cu_seqlens, p, False, self.attn_backend, kernel)  # [n*p, H, hd]
         return self.out_proj(out.reshape(n, p, d))
 
 
@@ -53,8 +53,8 @@ class VisionBlock(nn.Module):
         self.layer_norm2 = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
         self.mlp = VisionMLP(cfg)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.layer_norm1(x))
+    def forward(self, x: torch.Tensor, kernel: str | None = None) -> torch.Tensor:
+        x = x + self.self_attn(self.layer_norm1(x), kernel)
         return x + self.mlp(self.layer_norm2(x))
 
 
@@ -65,6 +65,7 @@ class VisionEncoder(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.num_patches = (cfg.image_size // cfg.patch_size) ** 2
+        self.attn_backend = attn_backend
         self.patch_embedding = nn.Conv2d(3, cfg.hidden_size, kernel_size=cfg.patch_size, stride=cfg.patch_size)
         self.position_embedding = nn.Embedding(self.num_patches, cfg.hidden_size)
         self.blocks = nn.ModuleList([VisionBlock(cfg, attn_backend) for _ in range(cfg.num_layers)])
@@ -77,6 +78,8 @@ class VisionEncoder(nn.Module):
             )
         x = self.patch_embedding(pixels).flatten(2).transpose(1, 2)  # [n, P, hidden]
         x = x + self.position_embedding.weight
+        # the attention backend, chosen once here rather than in every (compiled) block
+        kernel = resolve_backend(self.attn_backend, x.device, compute_dtype(x))
         for block in self.blocks:
-            x = block(x)
+            x = block(x, kernel)
         return self.post_layernorm(x)
