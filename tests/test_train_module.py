@@ -319,14 +319,58 @@ def test_mfu_flops_count_the_lm_head_on_the_positions_that_get_logits(tmp_path):
     head = model.language.lm_head.weight.numel()
     every = model_flops_per_step(model, real_tokens=100, images=2)
     some = model_flops_per_step(model, real_tokens=100, images=2, head_tokens=20)
-    assert every - some == 6 * head * 80
+    assert every - some == pytest.approx(6 * head * 80, rel=1e-12)
     blocks = sum(m.weight.numel() for m in model.language.layers.modules() if isinstance(m, torch.nn.Linear))
-    assert model_flops_per_step(model, 100, 0, head_tokens=0) == 6 * blocks * 100
+    assert model_flops_per_step(model, 100, 0, head_tokens=0) == pytest.approx(6 * blocks * 100, rel=1e-12)
 
     batch = synthetic_batch(0, cfg)
     assert batch_stats(batch)["loss_tokens"] == 6  # two samples with a 3-token answer
     assert batch_stats({k: v for k, v in batch.items() if k != "meta"})["loss_tokens"] == 6
     assert VLMModule(cfg, model=model).head_on_loss_positions
+
+
+def test_telemetry_mfu_flops_are_the_benchmark_formula_attention_included(tmp_path):
+    """Training telemetry and the benchmark report the same MFU for the same work: one formula, with the
+    attention term from the samples' squared lengths (the telemetry used to leave attention out)."""
+    from nanovlm.data.collate import collate_packed
+    from nanovlm.model import flops_per_image, flops_per_token
+    from nanovlm.train.callbacks import batch_stats, model_flops_per_step
+
+    cfg = tiny_cfg(tmp_path)
+    model = tiny_model(cfg)
+    batch = synthetic_batch(0, cfg)
+    stats = batch_stats(batch)
+    lengths = [b - a for a, b in zip(batch["cu_seqlens"].tolist(), batch["cu_seqlens"].tolist()[1:])]
+    real = lengths[: len(batch["sample_keys"])]
+    assert stats["seq_sq"] == sum(n * n for n in real) > 0
+    assert batch_stats({k: v for k, v in batch.items() if k != "meta"})["seq_sq"] == stats["seq_sq"]
+    tokens, images, head = stats["real_tokens"], stats["images"], stats["loss_tokens"]
+    got = model_flops_per_step(model, tokens, images, head, stats["seq_sq"])
+    vocab = model.language.vocab_size
+    by_hand = flops_per_token(cfg.model, vocab, stats["seq_sq"] / tokens, head_fraction=head / tokens) * tokens
+    by_hand += images * flops_per_image(cfg.model)
+    assert got == pytest.approx(by_hand, rel=1e-12)
+    assert got > model_flops_per_step(model, tokens, images, head)  # the attention term is counted
+    empty = collate_packed([], 8, 0, cfg.model.vision.image_size)
+    assert batch_stats(empty)["seq_sq"] == 0 and batch_stats(empty)["real_tokens"] == 0
+
+
+def test_peak_tflops_tell_the_h100_variants_apart(monkeypatch):
+    from nanovlm.train.callbacks import peak_tflops
+
+    cuda = torch.device("cuda", 0)
+    for name, want in [
+        ("NVIDIA H100 80GB HBM3", 989.0),
+        ("NVIDIA H100 PCIe", 756.0),
+        ("NVIDIA H100 NVL", 835.0),
+        ("NVIDIA GH200 480GB", 989.0),
+        ("NVIDIA A100-SXM4-80GB", 312.0),
+        ("Some Future GPU", None),
+    ]:
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None, n=name: n)
+        assert peak_tflops(0.0, cuda) == want, name
+    assert peak_tflops(123.0, cuda) == 123.0
+    assert peak_tflops(0.0, torch.device("cpu")) is None
 
 
 def _telemetry_rank(rank: int, port: int, skips: dict, out: Path) -> None:

@@ -365,22 +365,19 @@ def pass_flops(cfg: Config, vocab: int, batches: list[dict]) -> float:
 
 
 def _mfu(cfg: Config, vocab: int, batches: list[dict], tokens_per_s: float, device: torch.device) -> float | None:
-    from nanovlm.model import flops_per_token
-    from nanovlm.train.callbacks import peak_tflops
+    """MFU of a pass at ``tokens_per_s`` real tokens/s, by the training telemetry's formula (``batch_flops``)."""
+    from nanovlm.model import batch_flops
+    from nanovlm.train.callbacks import batch_stats, peak_tflops
 
     peak = peak_tflops(cfg.trainer.peak_tflops, device)
     if not peak:
         return None
-    seg_sq = seg = images = loss_tokens = 0
-    for b in batches:
-        loss_tokens += b["meta"]["loss_tokens"]
-        cu = b["cu_seqlens"].tolist()
-        real = [e - s for s, e in zip(cu[:-1], cu[1:])][: len(b["sample_keys"])]
-        seg_sq += sum(x * x for x in real)
-        seg += sum(real)
-        images += b["meta"]["n_images"]
-    fpt = flops_per_token(cfg.model, vocab, seg_sq / max(1, seg), images / max(1, seg), loss_tokens / max(1, seg))
-    return fpt * tokens_per_s / (peak * 1e12)
+    stats = [batch_stats(b) for b in batches]
+    tokens, seq_sq, images, head = (
+        sum(st[k] for st in stats) for k in ("real_tokens", "seq_sq", "images", "loss_tokens")
+    )
+    flops = batch_flops(cfg.model, vocab, tokens, seq_sq, images, head)
+    return flops / max(1, tokens) * tokens_per_s / (peak * 1e12)
 
 
 def run(args: argparse.Namespace, log=print) -> tuple[dict[str, Any], str]:

@@ -55,6 +55,7 @@ def collate_packed(
     pixel_values = _pixels(samples, image_size)
     info = {
         "real_tokens": total,
+        "seq_sq": sum(n * n for n in lens),  # sum of squared sample lengths: the attention FLOPs (MFU)
         "slots": max_tokens,
         "n_samples": len(samples),
         "n_images": int(pixel_values.shape[0]),
@@ -91,6 +92,7 @@ def collate_padded(
     pixel_values = _pixels(samples, image_size)
     info = {
         "real_tokens": sum(lens),
+        "seq_sq": sum(n * n for n in lens),
         "slots": max(b, 1) * longest,
         "n_samples": b,
         "n_images": int(pixel_values.shape[0]),

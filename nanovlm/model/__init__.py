@@ -4,7 +4,8 @@ Plain PyTorch (no Lightning, no torch.distributed). Entry points:
 
 - ``build_model(model_cfg, tokenizer)``: resolves the vocabulary and the ``<image>`` id, loads pretrained
   weights when configured.
-- ``num_parameters(model)`` and ``flops_per_token(model_cfg, vocab_size, seq_len)`` for summaries and MFU.
+- ``num_parameters(model)``, ``flops_per_token(model_cfg, vocab_size, seq_len)`` and ``batch_flops`` for
+  summaries and MFU.
 - ``nanovlm.model.attention.attention(q, k, v, cu_seqlens, max_seqlen, causal, backend)``: varlen attention
   (the submodule keeps its name: the function is deliberately not re-exported here).
 """
@@ -22,6 +23,7 @@ __all__ = [
     "BackendUnavailableError",
     "CheckpointMismatchError",
     "NanoVLM",
+    "batch_flops",
     "build_model",
     "flops_per_image",
     "flops_per_token",
@@ -128,3 +130,15 @@ def flops_per_token(
     matmul = _language_matmul_params(model_cfg) + head_fraction * lm.hidden_size * vocab_size
     language = 6 * matmul + 6 * lm.num_layers * lm.num_heads * head_dim * seq_len
     return float(language + images_per_token * flops_per_image(model_cfg))
+
+
+def batch_flops(
+    model_cfg: ModelConfig, vocab_size: int, tokens: float, seq_sq: float, images: float, head_tokens: float
+) -> float:
+    """Training FLOPs of a batch (or of many): ``tokens`` real tokens in samples whose squared lengths sum to
+    ``seq_sq``, ``images`` images, the LM head on ``head_tokens`` positions. One formula for the training
+    telemetry and the benchmark, so both report the same MFU for the same work."""
+    if tokens <= 0:
+        return float(images * flops_per_image(model_cfg))
+    per_token = flops_per_token(model_cfg, vocab_size, seq_sq / tokens, images / tokens, head_tokens / tokens)
+    return per_token * tokens

@@ -16,16 +16,20 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 
-from nanovlm.config import Config
+from nanovlm.config import Config, ModelConfig
+from nanovlm.model import batch_flops
 
-# Dense bf16 peak TFLOP/s per device, by a substring of torch.cuda.get_device_name() (checked in order).
+# Dense bf16 peak TFLOP/s per device, by a substring of torch.cuda.get_device_name() (checked in order, so the
+# more specific names come first). V100 and T4 have no bf16 units: their fp16 peaks.
 PEAK_TFLOPS = [
     ("GB200", 2500.0),
     ("B200", 2250.0),
+    ("GH200", 989.0),
     ("H200", 989.0),
+    ("H100 PCIe", 756.0),
+    ("H100 NVL", 835.0),
     ("H100", 989.0),
     ("H800", 989.0),
-    ("GH200", 989.0),
     ("A100", 312.0),
     ("A800", 312.0),
     ("L40S", 362.0),
@@ -58,7 +62,8 @@ def _world() -> tuple[int, int]:
 
 
 def batch_stats(batch: dict) -> dict[str, float]:
-    """Real (non-padding) tokens, slots, samples, images and loss tokens of one packed batch."""
+    """Real (non-padding) tokens, their samples' squared lengths (attention FLOPs), slots, samples, images and
+    loss tokens of one batch. From ``meta`` (computed by the collate function, no device sync) when present."""
     meta = batch.get("meta") or {}
     slots = batch["input_ids"].numel()
     if "real_tokens" in meta:
@@ -67,6 +72,15 @@ def batch_stats(batch: dict) -> dict[str, float]:
         real = int(batch["cu_seqlens"][len(batch["sample_keys"])])
     else:
         real = slots
+    if "seq_sq" in meta:
+        seq_sq = int(meta["seq_sq"])
+    elif "cu_seqlens" in batch and "sample_keys" in batch:
+        cu = batch["cu_seqlens"][: len(batch["sample_keys"]) + 1].tolist()
+        seq_sq = sum((b - a) ** 2 for a, b in zip(cu[:-1], cu[1:]))
+    elif "attention_mask" in batch:  # padded rows: one sample each
+        seq_sq = sum(n * n for n in batch["attention_mask"].sum(1).tolist())
+    else:  # one sample per row
+        seq_sq = real * batch["input_ids"].shape[-1]
     pixels = batch.get("pixel_values")
     if "loss_tokens" in meta:
         loss_tokens = int(meta["loss_tokens"])
@@ -75,6 +89,7 @@ def batch_stats(batch: dict) -> dict[str, float]:
         loss_tokens = 0 if labels is None else int((labels[:, 1:] != -100).sum())
     return {
         "real_tokens": real,
+        "seq_sq": seq_sq,
         "slots": slots,
         "samples": len(batch.get("sample_keys", [])),
         "images": 0 if pixels is None else int(pixels.shape[0]),
@@ -136,36 +151,25 @@ class DataProgress(pl.Callback):
 
 
 def model_flops_per_step(
-    model: torch.nn.Module, real_tokens: float, images: float, head_tokens: float | None = None
-) -> float:
-    """Training FLOPs (forward + backward = 6 x dense parameters) for a step with these real tokens and images.
-
-    Uses ``model.flops_per_token`` when the model provides it; otherwise 6 x parameters of the decoder blocks
-    (without the embedding table) per real token, 6 x LM-head parameters per token that gets logits
-    (``head_tokens``: the loss tokens when the head runs on loss positions only; default every real token),
-    plus 6 x vision-encoder parameters per image patch. Attention's quadratic term is not counted (it is small
-    at these sequence lengths)."""
+    model: torch.nn.Module,
+    real_tokens: float,
+    images: float,
+    head_tokens: float | None = None,
+    seq_sq: float | None = None,
+) -> float | None:
+    """Training FLOPs of a step with these real tokens and images, by ``nanovlm.model.batch_flops`` (the
+    benchmark's formula): decoder matmuls per real token, attention per the samples' squared lengths
+    (``seq_sq``; default: no attention term), the LM head per token that gets logits (``head_tokens``: the
+    loss tokens when the head runs on loss positions only; default every real token), vision encoder and
+    projector per image. A model that is not a NanoVLM may define ``flops_per_token()`` instead; None when
+    neither is there (MFU is then not reported)."""
+    cfg = getattr(model, "cfg", None)
+    if isinstance(cfg, ModelConfig):
+        head = real_tokens if head_tokens is None else head_tokens
+        return batch_flops(cfg, model.language.vocab_size, real_tokens, seq_sq or 0.0, images, head)
     if hasattr(model, "flops_per_token"):
-        try:
-            return float(model.flops_per_token()) * real_tokens
-        except TypeError:
-            pass
-    lang = sum(  # matrices only: norm weights and biases are not matmuls
-        p.numel()
-        for n, p in model.language.named_parameters()
-        if p.dim() > 1 and not n.startswith(("embed", "lm_head"))
-    )
-    head = model.language.lm_head.weight.numel() if hasattr(model.language, "lm_head") else 0
-    vision = sum(p.numel() for p in model.vision.parameters())
-    proj = sum(p.numel() for p in model.projector.parameters())
-    cfg = model.cfg
-    patches = (cfg.vision.image_size // cfg.vision.patch_size) ** 2
-    head_tokens = real_tokens if head_tokens is None else head_tokens
-    return 6.0 * (
-        lang * real_tokens
-        + head * head_tokens
-        + (vision * patches + proj * getattr(model, "image_token_count", 1)) * images
-    )
+        return float(model.flops_per_token()) * real_tokens
+    return None
 
 
 class Telemetry(pl.Callback):
@@ -176,7 +180,7 @@ class Telemetry(pl.Callback):
     Data wait = time between the end of one training batch and the start of the next (the loop is waiting
     for the DataLoader), as a fraction of wall time."""
 
-    KEYS = ("real_tokens", "slots", "samples", "images", "loss_tokens", "wait_s", "loss_sum", "micro")
+    KEYS = ("real_tokens", "seq_sq", "slots", "samples", "images", "loss_tokens", "wait_s", "loss_sum", "micro")
 
     def __init__(self, cfg: Config, print_lines: bool = True) -> None:
         self.every = max(1, cfg.trainer.log_every_n_steps)
@@ -248,8 +252,9 @@ class Telemetry(pl.Callback):
             metrics["train/grad_norm"] = pl_module.last_grad_norm
         if self._peak:
             head = t["loss_tokens"] if getattr(pl_module, "head_on_loss_positions", False) else None
-            flops = model_flops_per_step(pl_module.model, t["real_tokens"], t["images"], head)
-            metrics["train/mfu"] = flops / elapsed / (self._peak * 1e12 * world)
+            flops = model_flops_per_step(pl_module.model, t["real_tokens"], t["images"], head, t["seq_sq"])
+            if flops is not None:
+                metrics["train/mfu"] = flops / elapsed / (self._peak * 1e12 * world)
         if torch.cuda.is_available() and pl_module.device.type == "cuda":
             metrics["train/peak_mem_gb"] = torch.cuda.max_memory_allocated(pl_module.device) / 1e9
         else:  # CPU: peak resident memory of this process
