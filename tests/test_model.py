@@ -253,6 +253,24 @@ def test_attention_backend_is_resolved_once_per_forward_not_in_every_layer(monke
     assert counts[1] == counts[4] > 0, counts
 
 
+def test_pixel_normalisation_constants_are_made_once_and_also_serve_training_after_generate():
+    """mean/std are cached per device (made from Python lists they cost a host sync each on CUDA); made first
+    inside generate()'s inference mode, they must still work in a training step."""
+    model = make_model()
+    item = samples()[0]
+    pixels = item["pixel_values"]
+    v = model.cfg.vision
+    want = (pixels.float() / 255 - torch.tensor(v.image_mean).view(1, 3, 1, 1)) / torch.tensor(v.image_std).view(
+        1, 3, 1, 1
+    )
+    model.generate(item["input_ids"][None, :6], pixels, max_new_tokens=2)
+    assert torch.equal(model.normalize(pixels), want)
+    cached = model._pixel_stats[pixels.device]
+    model(alone(item))["loss"].backward()
+    assert model._pixel_stats[pixels.device] is cached and len(model._pixel_stats) == 1
+    assert model.vision.patch_embedding.weight.grad is not None
+
+
 def test_uint8_pixels_are_required():
     model = make_model()
     batch = alone(samples()[0])

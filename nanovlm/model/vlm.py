@@ -50,6 +50,7 @@ class NanoVLM(nn.Module):
         # image scaled by zero). Set when the model is sharded (FSDP2): each vision block all-gathers its weights
         # on forward, so a rank that skipped them would pair its next all-gather with another rank's vision one.
         self.vision_every_forward = False
+        self._pixel_stats: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}  # see normalize
         self.init_weights()
 
     # ------------------------------------------------------------------------------------------------------
@@ -80,9 +81,18 @@ class NanoVLM(nn.Module):
     # images
 
     def normalize(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        """uint8 [n, 3, H, W] -> (x / 255 - mean) / std in the vision encoder's parameter dtype."""
-        mean = torch.tensor(self.cfg.vision.image_mean, device=pixel_values.device).view(1, 3, 1, 1)
-        std = torch.tensor(self.cfg.vision.image_std, device=pixel_values.device).view(1, 3, 1, 1)
+        """uint8 [n, 3, H, W] -> (x / 255 - mean) / std in the vision encoder's parameter dtype.
+
+        mean and std are made once per device: building them from Python lists copies from pageable host memory,
+        which on CUDA waits for every kernel already queued (twice per step). Not buffers: they stay fp32 when
+        the model is cast to bf16, and out of checkpoints."""
+        dev = pixel_values.device
+        if dev not in self._pixel_stats:
+            v = self.cfg.vision
+            with torch.inference_mode(False):  # usable in training also when first made by generate()
+                stats = tuple(torch.tensor(c, device=dev).view(1, 3, 1, 1) for c in (v.image_mean, v.image_std))
+            self._pixel_stats[dev] = stats
+        mean, std = self._pixel_stats[dev]
         x = (pixel_values.float() / 255.0 - mean) / std
         return x.to(self.vision.patch_embedding.weight.dtype)
 
@@ -171,7 +181,7 @@ class NanoVLM(nn.Module):
         labels = batch.get("labels")
         rows = None
         if labels is not None and not return_logits:
-            # Found before the forward: the host sync of nonzero() then waits only for the batch's own copy.
+            # Found before the forward (nonzero() is a host sync): the GPU then holds little work to wait for.
             rows = loss_rows(labels)
         embeds = batch.get("inputs_embeds")  # precomputed [B, T, hidden] (e.g. cached frozen-vision features)
         if embeds is None:
