@@ -168,7 +168,7 @@ class ModeRunner:
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
-            torch.cuda.synchronize()
+            torch.cuda.synchronize(self.device)
 
     def _autocast(self):
         return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.device.type == "cuda")
@@ -187,8 +187,8 @@ class ModeRunner:
         try:
             self._sync()
             if self.device.type == "cuda":
-                base = torch.cuda.memory_allocated()
-                torch.cuda.reset_peak_memory_stats()
+                base = torch.cuda.memory_allocated(self.device)
+                torch.cuda.reset_peak_memory_stats(self.device)
             else:  # give freed heap back to the OS first, or this mode would reuse the previous mode's peak
                 _malloc_trim()
                 reset_peak_rss()
@@ -197,7 +197,9 @@ class ModeRunner:
                 self.step(self.dev_batches[i % len(self.dev_batches)])
             self._sync()
             peak = (
-                torch.cuda.max_memory_allocated() if self.device.type == "cuda" else _proc_kb("self", "VmHWM") * 2**20
+                torch.cuda.max_memory_allocated(self.device)
+                if self.device.type == "cuda"
+                else _proc_kb("self", "VmHWM") * 2**20
             )
             self.peak_extra_mb = max(0.0, (peak - base) / 2**20)
         except torch.OutOfMemoryError as e:
