@@ -132,7 +132,7 @@ def test_untied_checkpoint_into_untied_model(tmp_path):
         torch.testing.assert_close(
             ours(ours.embed_tokens(ids), torch.arange(9)[None]), hf(input_ids=ids).logits, atol=1e-5, rtol=1e-5
         )
-    with pytest.raises(CheckpointMismatchError, match="tie_embeddings=false"):
+    with pytest.raises(CheckpointMismatchError, match="tie_embeddings: checkpoint False vs config True"):
         load_language_weights(LanguageModel(LANGUAGE, CKPT_VOCAB), str(tmp_path))
 
 
@@ -213,8 +213,107 @@ def test_shape_mismatch_and_missing_checkpoint(tmp_path, llama_dir):
     _, lm_path = llama_dir
     with pytest.raises(
         CheckpointMismatchError,
-        match=r"embed_tokens.weight' has shape \(90, 48\) but embed_tokens.weight needs \(64, 48\)",
+        match=r"embed_tokens.weight' has shape \(90, 48\) but embed_tokens.weight needs \(64, 48\) .*is "
+        r"data.tokenizer the checkpoint's tokenizer",
     ):
         load_language_weights(LanguageModel(LANGUAGE, 64), str(lm_path))
     with pytest.raises(FileNotFoundError, match="not a directory"):
         load_vision_weights(VisionEncoder(VISION), str(tmp_path / "nope"))
+
+
+def _resave(src, dst, edit_state=None, edit_config=None):
+    """A copy of a save_pretrained folder with its tensors and/or config.json edited."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    dst.mkdir()
+    state = load_file(str(src / "model.safetensors"))
+    config = json.loads((src / "config.json").read_text())
+    if edit_state:
+        edit_state(state)
+    if edit_config:
+        edit_config(config)
+    save_file(state, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    (dst / "config.json").write_text(json.dumps(config))
+    return dst
+
+
+def test_checkpoints_of_other_architectures_are_refused_not_loaded_with_weights_dropped(tmp_path, llama_dir):
+    """A Qwen2-style checkpoint (q/k/v biases) or Qwen3-style one (q/k norms) has every tensor Llama has plus
+    more; before, the extra tensors were silently left out. Both the model type and leftover tensors are caught."""
+    _, path = llama_dir
+    for name, extra in [
+        ("bias", "model.layers.0.self_attn.q_proj.bias"),
+        ("norm", "model.layers.1.self_attn.q_norm.weight"),
+    ]:
+        dst = _resave(path, tmp_path / name, edit_state=lambda st, k=extra: st.__setitem__(k, torch.zeros(48)))
+        with pytest.raises(CheckpointMismatchError, match=rf"1 checkpoint tensor\(s\) have no place .*{extra}"):
+            load_language_weights(LanguageModel(LANGUAGE, 128), str(dst))
+    qwen = transformers.Qwen2Config(
+        vocab_size=CKPT_VOCAB,
+        hidden_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        intermediate_size=80,
+        rms_norm_eps=1e-5,
+        rope_theta=50000.0,
+        tie_word_embeddings=True,
+    )
+    transformers.Qwen2ForCausalLM(qwen).save_pretrained(tmp_path / "qwen2")
+    with pytest.raises(CheckpointMismatchError, match="is a 'qwen2' model; this loader reads llama / mistral"):
+        load_language_weights(LanguageModel(LANGUAGE, 128), str(tmp_path / "qwen2"))
+    windowed = _resave(
+        path, tmp_path / "mistral", edit_config=lambda c: c.update(model_type="mistral", sliding_window=128)
+    )
+    with pytest.raises(CheckpointMismatchError, match="sliding_window: checkpoint 128 vs config None.*not supported"):
+        load_language_weights(LanguageModel(LANGUAGE, 128), str(windowed))
+
+
+def test_vision_and_language_problems_are_reported_together(siglip_dir, llama_dir):
+    (_, vis_path), (_, lm_path) = siglip_dir, llama_dir
+    wrong_vision, wrong_lm = copy.deepcopy(VISION), copy.deepcopy(LANGUAGE)
+    wrong_vision.num_layers, wrong_lm.num_layers = 3, 5
+    cfg = ModelConfig(
+        vision=wrong_vision,
+        projector=ProjectorConfig(pixel_shuffle_factor=2),
+        language=wrong_lm,
+        vision_checkpoint=str(vis_path),
+        language_checkpoint=str(lm_path),
+    )
+    with pytest.raises(
+        CheckpointMismatchError,
+        match=r"(?s)vision checkpoint .*num_layers: checkpoint 2 vs config "
+        r"3.*\nlanguage checkpoint .*num_layers: checkpoint 2 vs config 5",
+    ):
+        build_model(cfg, word_tokenizer(100))
+
+
+def test_a_tokenizer_other_than_the_checkpoints_is_refused(tmp_path, llama_dir):
+    """Its ids would pick the wrong embedding rows; tokens added after the checkpoint's vocabulary are fine."""
+    _, path = llama_dir
+    ckpt = _resave(path, tmp_path / "with_tokenizer")
+    saved = word_tokenizer(90)  # the checkpoint's own: 90 words
+    saved.backend_tokenizer.save(str(ckpt / "tokenizer.json"))
+    cfg = ModelConfig(
+        vision=VISION,
+        projector=ProjectorConfig(pixel_shuffle_factor=2),
+        language=LANGUAGE,
+        language_checkpoint=str(ckpt),
+    )
+    build_model(cfg, word_tokenizer(90))  # same words and ids (+ <image> after them): loads
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+
+    shuffled = {"<unk>": 0, **{f"w{i}": 89 - i for i in range(89)}}  # the same words, other ids
+    other = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(WordLevel(shuffled, unk_token="<unk>")), unk_token="<unk>"
+    )
+    other.add_special_tokens({"additional_special_tokens": ["<image>"]})
+    with pytest.raises(
+        CheckpointMismatchError,
+        match=r"data.tokenizer is not the tokenizer of language checkpoint .*"
+        r"88 of its 91 tokens have another id",
+    ):
+        build_model(cfg, other)

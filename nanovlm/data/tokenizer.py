@@ -53,8 +53,9 @@ def load_tokenizer(name_or_path: str | os.PathLike) -> PreTrainedTokenizerBase:
     looks_like_hub_id = len(path.parts) == 2 and not str(name_or_path).startswith((".", "/"))
     if not path.exists() and not looks_like_hub_id:
         raise FileNotFoundError(
-            f"tokenizer directory not found: {name_or_path} (build the demo one with "
-            f"`python scripts/make_demo_data.py`, or name a hub id such as HuggingFaceTB/SmolLM2-135M-Instruct)"
+            f"tokenizer directory not found: {name_or_path} (set data.tokenizer to a directory written by "
+            "save_pretrained - the demo's is made by scripts/make_demo_data.py - or to a hub id such as "
+            "HuggingFaceTB/SmolLM2-135M-Instruct)"
         )
     tok = AutoTokenizer.from_pretrained(str(name_or_path))
     return _ensure_special_tokens(tok)

@@ -16,7 +16,12 @@ import logging
 
 from nanovlm.config import ModelConfig, image_token_count
 from nanovlm.model.attention import BackendUnavailableError, resolve_backend
-from nanovlm.model.pretrained import CheckpointMismatchError, load_language_weights, load_vision_weights
+from nanovlm.model.pretrained import (
+    CheckpointMismatchError,
+    check_tokenizer,
+    load_language_weights,
+    load_vision_weights,
+)
 from nanovlm.model.vlm import NanoVLM
 
 __all__ = [
@@ -57,10 +62,23 @@ def build_model(model_cfg: ModelConfig, tokenizer) -> NanoVLM:
             f"the tokenizer has no {IMAGE_TOKEN} token; load it with nanovlm.data.tokenizer.load_tokenizer, which adds it"
         )
     model = NanoVLM(model_cfg, resolve_vocab_size(model_cfg, tokenizer), image_token_id)
-    if model_cfg.vision_checkpoint:
-        load_vision_weights(model.vision, model_cfg.vision_checkpoint)
+    problems = []  # both checkpoints are checked before failing: one run shows every fix to make
+    for checkpoint, load, part in (
+        (model_cfg.vision_checkpoint, load_vision_weights, model.vision),
+        (model_cfg.language_checkpoint, load_language_weights, model.language),
+    ):
+        if checkpoint:
+            try:
+                load(part, checkpoint)
+            except CheckpointMismatchError as e:
+                problems.append(str(e))
     if model_cfg.language_checkpoint:
-        load_language_weights(model.language, model_cfg.language_checkpoint)
+        try:
+            check_tokenizer(tokenizer, model_cfg.language_checkpoint)
+        except CheckpointMismatchError as e:
+            problems.append(str(e))
+    if problems:
+        raise CheckpointMismatchError("\n".join(problems))
     return model
 
 

@@ -81,6 +81,22 @@ def _find_prefix(state: dict[str, torch.Tensor], anchor: str, skip: tuple[str, .
     raise CheckpointMismatchError(f"checkpoint has no tensor named '*{anchor}'; is it the right kind of model?")
 
 
+# transformers model_type values whose architecture our modules reproduce (Mistral without a sliding window is
+# Llama's architecture; SmolLM2 checkpoints say "llama").
+VISION_MODEL_TYPES = ("siglip", "siglip_vision_model")
+LANGUAGE_MODEL_TYPES = ("llama", "mistral")
+
+
+def _check_model_type(kind: str, where: str, hf, allowed: tuple[str, ...]) -> None:
+    model_type = getattr(hf, "model_type", None)
+    if model_type is not None and model_type not in allowed:
+        raise CheckpointMismatchError(
+            f"{kind} checkpoint {where} is a {model_type!r} model; this loader reads {' / '.join(allowed)} "
+            "checkpoints (other architectures differ in ways the weights alone do not show: biases, q/k norms, "
+            "attention windows)"
+        )
+
+
 def _check_config(kind: str, where: str, pairs: dict[str, tuple[object, object]], hint: str) -> None:
     bad = [f"{key}: checkpoint {ckpt!r} vs config {ours!r}" for key, (ckpt, ours) in pairs.items() if ckpt != ours]
     if bad:
@@ -96,12 +112,24 @@ def _copy(
     kind: str,
     where: str,
     rows=(),
+    unused_scope: str = "",
+    ignore: tuple[str, ...] = (),
 ):
     """Copy state[ckpt_name] into module's parameter ours_name for every pair; a tuple of checkpoint names is
     stacked by rows (fused projections); names in ``rows`` may be shorter in the checkpoint's first dimension
-    (vocabulary rows); all problems are reported at once."""
+    (vocabulary rows); all problems are reported at once.
+
+    A checkpoint tensor under ``unused_scope`` that no parameter takes (and that contains none of ``ignore``) is
+    a problem too: it means another architecture (biases, q/k norms) whose weights would silently be dropped."""
     params = dict(module.named_parameters(remove_duplicate=False))
     problems = []
+    used = {n for theirs in mapping.values() for n in ((theirs,) if isinstance(theirs, str) else theirs)}
+    unused = [k for k in state if k.startswith(unused_scope) and k not in used and not any(i in k for i in ignore)]
+    if unused:
+        problems.append(
+            f"{len(unused)} checkpoint tensor(s) have no place in this model, e.g. {unused[:4]}: the checkpoint is "
+            "another architecture (this loader reads SigLIP vision and Llama-architecture language models)"
+        )
     tensors: dict[str, torch.Tensor] = {}
     for ours, theirs in mapping.items():
         names = (theirs,) if isinstance(theirs, str) else theirs
@@ -117,6 +145,11 @@ def _copy(
         fits = t.shape == p.shape or (ours in rows and t.shape[1:] == p.shape[1:] and t.shape[0] <= p.shape[0])
         if not fits:
             problems.append(f"'{' + '.join(names)}' has shape {tuple(t.shape)} but {ours} needs {tuple(p.shape)}")
+            if ours in rows and t.shape[1:] == p.shape[1:]:
+                problems[-1] += (
+                    f" (the checkpoint's vocabulary has {t.shape[0]} tokens, the model {p.shape[0]}, sized from"
+                    " data.tokenizer or model.language.vocab_size: is data.tokenizer the checkpoint's tokenizer?)"
+                )
         tensors[ours] = t
     if problems:
         raise CheckpointMismatchError(f"{kind} checkpoint {where} does not fit the model: " + "; ".join(problems))
@@ -149,6 +182,7 @@ def load_vision_weights(vision: nn.Module, name_or_path: str) -> None:
     hf = AutoConfig.from_pretrained(directory)
     hf = getattr(hf, "vision_config", hf)
     cfg = vision.cfg
+    _check_model_type("vision", name_or_path, hf, VISION_MODEL_TYPES)
     _check_config(
         "vision",
         name_or_path,
@@ -175,7 +209,8 @@ def load_vision_weights(vision: nn.Module, name_or_path: str) -> None:
         else:
             theirs = prefix + name
         mapping[name] = _fused_names(theirs)
-    _copy(vision, mapping, state, "vision", name_or_path)
+    # SigLIP's pooling head ("head.*") is not used: the projector reads every patch
+    _copy(vision, mapping, state, "vision", name_or_path, unused_scope=prefix, ignore=(f"{prefix}head.",))
     log.info("loaded vision weights from %s (%d tensors)", name_or_path, _n_tensors(mapping))
 
 
@@ -196,6 +231,8 @@ def load_language_weights(language: nn.Module, name_or_path: str) -> None:
     if not hasattr(hf, "num_key_value_heads") and hasattr(hf, "text_config"):  # a composite config
         hf = hf.text_config
     cfg = language.cfg
+    _check_model_type("language", name_or_path, hf, LANGUAGE_MODEL_TYPES)
+    tied_ckpt = bool(getattr(hf, "tie_word_embeddings", False))
     # transformers >= 5: rope_parameters (theta and scaling); 4.x: rope_theta + rope_scaling ("rope_type" or "type")
     rope = dict(getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {})
     rope.setdefault("rope_type", rope.get("type", "default"))
@@ -217,8 +254,15 @@ def load_language_weights(language: nn.Module, name_or_path: str) -> None:
             "activation": (hf.hidden_act, "silu"),
             "attention_bias": (getattr(hf, "attention_bias", False), False),
             "mlp_bias": (getattr(hf, "mlp_bias", False), False),
+            "sliding_window": (getattr(hf, "sliding_window", None), None),
+            "tie_embeddings": (tied_ckpt, tied_ckpt or cfg.tie_embeddings),  # only a tied model on an untied ckpt
         },
-        "Set model.language.* to the checkpoint's values (configs/model_222m.yaml fits HuggingFaceTB/SmolLM2-135M).",
+        "Set model.language.* to the checkpoint's values (configs/model_222m.yaml fits HuggingFaceTB/SmolLM2-135M)"
+        + (
+            "; RoPE scaling and sliding-window attention are not supported: use a checkpoint without them."
+            if rope.get("rope_type", "default") != "default" or getattr(hf, "sliding_window", None) is not None
+            else "."
+        ),
     )
     ckpt_positions = getattr(hf, "max_position_embeddings", None)
     if ckpt_positions and cfg.max_position_embeddings > ckpt_positions:
@@ -230,12 +274,6 @@ def load_language_weights(language: nn.Module, name_or_path: str) -> None:
             ckpt_positions,
             ckpt_positions,
         )
-    tied_ckpt = bool(getattr(hf, "tie_word_embeddings", False))
-    if cfg.tie_embeddings and not tied_ckpt:
-        raise CheckpointMismatchError(
-            f"language checkpoint {name_or_path} has a separate LM head but model.language.tie_embeddings=true; "
-            "set model.language.tie_embeddings=false"
-        )
     state = read_state_dict(directory)
     prefix = _find_prefix(state, "embed_tokens.weight")
     mapping = {}
@@ -243,7 +281,16 @@ def load_language_weights(language: nn.Module, name_or_path: str) -> None:
         mapping[name] = "lm_head.weight" if name == "lm_head.weight" else _fused_names(prefix + name)
     if "lm_head.weight" in mapping and tied_ckpt:
         mapping["lm_head.weight"] = prefix + "embed_tokens.weight"  # untied head initialised from tied weights
-    _copy(language, mapping, state, "language", name_or_path, rows=("embed_tokens.weight", "lm_head.weight"))
+    _copy(
+        language,
+        mapping,
+        state,
+        "language",
+        name_or_path,
+        rows=("embed_tokens.weight", "lm_head.weight"),
+        unused_scope=prefix,
+        ignore=("rotary_emb.inv_freq", *(("lm_head.weight",) if tied_ckpt else ())),  # buffers; a tied copy
+    )
     n_ckpt = state[prefix + "embed_tokens.weight"].shape[0]
     log.info(
         "loaded language weights from %s (%d tensors; vocabulary rows %d of %d from the checkpoint)",
@@ -252,3 +299,26 @@ def load_language_weights(language: nn.Module, name_or_path: str) -> None:
         n_ckpt,
         language.vocab_size,
     )
+
+
+def check_tokenizer(tokenizer, name_or_path: str) -> None:
+    """The training tokenizer must give the checkpoint's tokens the checkpoint's ids, or the copied embedding rows
+    belong to other tokens (training would start from scrambled embeddings, with no error anywhere). Checked
+    against the tokenizer.json saved with the checkpoint, when there is one; tokens added after the checkpoint's
+    vocabulary (<image>, padding) do not matter."""
+    path = resolve_checkpoint(name_or_path) / "tokenizer.json"
+    if not path.is_file():
+        log.info("%s has no tokenizer.json: cannot check that data.tokenizer is the checkpoint's", name_or_path)
+        return
+    from tokenizers import Tokenizer
+
+    theirs = Tokenizer.from_file(str(path)).get_vocab(with_added_tokens=True)
+    ours = tokenizer.get_vocab()
+    wrong = sorted((i, t, ours.get(t)) for t, i in theirs.items() if ours.get(t) != i)
+    if wrong:
+        examples = ", ".join(f"{t!r} is {i} there, {o} here" for i, t, o in wrong[:3])
+        raise CheckpointMismatchError(
+            f"data.tokenizer is not the tokenizer of language checkpoint {name_or_path}: {len(wrong)} of its "
+            f"{len(theirs)} tokens have another id ({examples}), so the copied embedding rows would belong to other "
+            f"tokens. Prepare the data with the checkpoint's tokenizer (data.tokenizer={resolve_checkpoint(name_or_path)})."
+        )
