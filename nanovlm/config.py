@@ -164,6 +164,9 @@ class CheckpointConfig:
     every_n_steps: int = 500  # periodic checkpoint interval in optimizer steps; 0 = only the final one
     keep_last: int = 3  # periodic checkpoints to keep (the newest ones)
     resume: str = "auto"  # auto (latest in dir, if any) | none | path to a checkpoint file
+    # A new stage from a finished one: model weights from this checkpoint file when the run starts fresh (new
+    # optimizer, step 0, new data stream); ignored once the run has checkpoints of its own to resume.
+    init_from: str = ""
 
 
 @dataclass

@@ -7,8 +7,17 @@ import subprocess
 import sys
 
 import pytest
+import torch
 import yaml
-from test_resume import REPO, TIMEOUT, run_train, small_demo, train_cmd  # noqa: F401 (small_demo is a fixture)
+from test_resume import (  # noqa: F401 (small_demo is a fixture)
+    REPO,
+    TIMEOUT,
+    final_weights,
+    run_train,
+    small_demo,
+    steps,
+    train_cmd,
+)
 
 from nanovlm.config import load_config, to_yaml
 from nanovlm.train.checkpoint import checkpoint_name
@@ -161,6 +170,33 @@ def test_resuming_a_checkpoint_that_does_not_fit_the_model_is_a_clear_error(smal
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert "of another shape: model.language.layers.0.mlp.gate_up_proj.weight (192, 48) vs (128, 48)" in proc.stderr
     assert "the model.* config differs" in proc.stderr
+
+
+@pytest.mark.slow
+def test_init_from_starts_a_new_stage_from_the_weights_only(small_demo, tmp_path):  # noqa: F811
+    """checkpoint.init_from: a fresh run (step 0, new optimizer, data from the start) with another run's weights;
+    once the new run has checkpoints of its own it resumes those and the option no longer applies."""
+    first, second = tmp_path / "stage1", tmp_path / "stage2"
+    run_train(small_demo, first, "trainer.max_steps=2")
+    source = first / "checkpoints" / checkpoint_name(2)
+    # lr 0: the weights cannot move, so the new run's checkpoint holds exactly what it started from
+    stage2 = [f"checkpoint.init_from={source}", "trainer.max_steps=1", "optim.lr=0", "optim.weight_decay=0"]
+    out = run_train(small_demo, second, *stage2)
+    assert f"[init] model weights from {source} (new optimizer, step 0)" in out
+    got, want = final_weights(second, 1), final_weights(first, 2)
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    assert steps(second)[0][2] == steps(first)[0][2]  # a new data stream: the first pack of the epoch
+    out = run_train(small_demo, second, *stage2)  # the same command again: its own checkpoint, not init_from
+    assert "[resume] from" in out and "[init]" not in out
+    proc = subprocess.run(
+        train_cmd(small_demo, tmp_path / "stage3", "checkpoint.init_from=/no/such.ckpt", "trainer.max_steps=1"),
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+    )
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert "error: FileNotFoundError: checkpoint.init_from='/no/such.ckpt': no such checkpoint file" in proc.stderr
 
 
 @pytest.mark.slow

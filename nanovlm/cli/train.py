@@ -64,15 +64,26 @@ def main(argv: Sequence[str] | None = None, default_configs: Sequence[str] = (DE
         print(to_yaml(cfg), end="")
         return 0
 
-    from nanovlm.data.datamodule import DataMismatchError, DataStateError
+    from nanovlm.data.datamodule import DataMismatchError, DataStateError, SkipRateError
     from nanovlm.data.shards import PlanError
+    from nanovlm.model import BackendUnavailableError, CheckpointMismatchError
     from nanovlm.train.checkpoint import CheckpointModelMismatchError, RunDirConflictError
     from nanovlm.train.run import train  # heavy imports only after the config is known to be valid
 
+    user_errors = (
+        CheckpointModelMismatchError,  # a checkpoint to resume that does not fit the model
+        CheckpointMismatchError,  # a pretrained checkpoint that does not fit
+        BackendUnavailableError,
+        RunDirConflictError,
+        PlanError,
+        DataStateError,
+        DataMismatchError,
+        SkipRateError,
+        FileNotFoundError,  # a data, tokenizer or checkpoint path
+    )
     try:
         result = train(cfg, config_files=list(files))
-    except (CheckpointModelMismatchError, RunDirConflictError, PlanError, DataStateError, DataMismatchError) as e:
-        # user errors whose message names the problem and the fix: no traceback
+    except user_errors as e:  # their messages name the problem and the fix: no traceback
         print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
         return 2
     if result.preempted:

@@ -152,6 +152,19 @@ def check_checkpoint_fits(path: Path, expected: dict[str, Any]) -> None:
         check_model_tensors(saved, expected)
 
 
+def load_weights(path: str | Path, module: torch.nn.Module) -> None:
+    """``checkpoint.init_from``: the model weights of a checkpoint file into ``module`` (nothing else: no
+    optimizer state, step or data position), after the same fit check as a resume."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"checkpoint.init_from={str(path)!r}: no such checkpoint file")
+    saved = torch.load(path, map_location="cpu", mmap=True, weights_only=True).get("state_dict")
+    if not saved:
+        raise CheckpointModelMismatchError(f"checkpoint.init_from={str(path)!r} holds no model weights (state_dict)")
+    check_model_tensors(saved, module.state_dict())
+    module.load_state_dict(saved)
+
+
 def _fsync_dir(directory: Path) -> None:
     try:
         fd = os.open(directory, os.O_RDONLY)

@@ -29,6 +29,7 @@ from nanovlm.train.checkpoint import (
     check_no_later_checkpoints,
     checkpoint_dir,
     checkpoint_step,
+    load_weights,
     resolve_resume,
 )
 from nanovlm.train.module import VLMModule
@@ -248,6 +249,10 @@ def train(
                 )
     if resume is not None:
         check_checkpoint_fits(resume, module.state_dict())
+    elif cfg.checkpoint.init_from:  # a new stage: weights only, before the model is sharded or wrapped
+        load_weights(cfg.checkpoint.init_from, module)
+        if strategies.global_rank_from_env() == 0:
+            print(f"[init] model weights from {cfg.checkpoint.init_from} (new optimizer, step 0)", flush=True)
     trainer.fit(module, datamodule=datamodule, ckpt_path=resume, weights_only=True)
     t = cfg.trainer
     finished = not ckpt.preempted and trainer.global_step >= t.max_steps
