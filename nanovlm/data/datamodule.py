@@ -598,7 +598,8 @@ class PackedMultimodalDataModule(L.LightningDataModule):
             raise DataStateError(
                 "cannot resume the data stream exactly: the data order depends on settings that changed since "
                 "the checkpoint (" + "; ".join(changed) + "). Restore the old values to resume exactly, or start "
-                "a new data stream (resume the weights only)."
+                "a new data stream from the checkpoint's weights: a new trainer.run_dir with "
+                "checkpoint.init_from=<the checkpoint>."
             )
         ranks = state["ranks"]
         if len(ranks) != state["world_size"]:
