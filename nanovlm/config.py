@@ -285,6 +285,57 @@ def _check_values(cfg: Config) -> None:
         raise ConfigError("data.train_weights must have one weight per data.train directory (or be empty)")
     if cfg.checkpoint.resume not in {"auto", "none"} and not cfg.checkpoint.resume:
         raise ConfigError("checkpoint.resume must be 'auto', 'none' or a checkpoint path")
+    _check_ranges(cfg)
+
+
+def _check_ranges(cfg: Config) -> None:
+    """Numbers outside their meaningful range fail here, naming the key, instead of deep inside a run (a
+    ZeroDivisionError, a Lightning exception after the data setup) or silently (a negative learning rate)."""
+    d, o, t, c = cfg.data, cfg.optim, cfg.trainer, cfg.checkpoint
+    at_least = {
+        1: {
+            "trainer.max_steps": t.max_steps,
+            "trainer.accumulate_grad_batches": t.accumulate_grad_batches,
+            "trainer.log_every_n_steps": t.log_every_n_steps,
+            "trainer.num_nodes": t.num_nodes,
+            "checkpoint.keep_last": c.keep_last,
+            "data.lookahead": d.lookahead,
+            "data.queue_size": d.queue_size,
+            "data.batch_size": d.batch_size,
+        },
+        0: {
+            "trainer.val_every_n_steps": t.val_every_n_steps,
+            "trainer.val_batches": t.val_batches,
+            "trainer.eval_samples": t.eval_samples,
+            "trainer.stop_at_step": t.stop_at_step,
+            "trainer.peak_tflops": t.peak_tflops,
+            "checkpoint.every_n_steps": c.every_n_steps,
+            "data.num_workers": d.num_workers,
+            "data.shuffle_buffer": d.shuffle_buffer,  # 0: no shuffling
+            "data.max_image_pixels": d.max_image_pixels,  # 0: no limit of our own
+            "data.max_carry": d.max_carry,
+            "data.pad_cutoff": d.pad_cutoff,
+            "data.max_skip_rate": d.max_skip_rate,
+            "optim.lr": o.lr,
+            "optim.vision_lr": o.vision_lr,
+            "optim.projector_lr": o.projector_lr,
+            "optim.weight_decay": o.weight_decay,
+            "optim.warmup_steps": o.warmup_steps,
+            "optim.grad_clip": o.grad_clip,
+        },
+    }
+    for low, values in at_least.items():
+        for key, value in values.items():
+            if value < low:
+                raise ConfigError(f"bad value for config key '{key}': {value}; it must be >= {low}")
+    if any(w < 0 for w in d.train_weights):
+        raise ConfigError(f"bad value for config key 'data.train_weights': {d.train_weights}; weights must be >= 0")
+    if len(o.betas) != 2 or not all(0 <= b < 1 for b in o.betas):
+        raise ConfigError(f"bad value for config key 'optim.betas': {o.betas}; two numbers in [0, 1), e.g. [0.9, 0.95]")
+    if not o.eps > 0 or not 0 <= o.min_lr_ratio <= 1:
+        raise ConfigError("optim.eps must be > 0 and optim.min_lr_ratio within [0, 1]")
+    if not (t.devices == "auto" or (isinstance(t.devices, int) and not isinstance(t.devices, bool) and t.devices >= 1)):
+        raise ConfigError(f"bad value for config key 'trainer.devices': {t.devices!r}; a number >= 1 or 'auto'")
 
 
 def image_token_count(cfg: ModelConfig) -> int:
@@ -331,6 +382,12 @@ def load_config(files: Sequence[str | os.PathLike] = (), overrides: Sequence[str
             merged = OmegaConf.merge(merged, OmegaConf.from_dotlist([item]))
         except OmegaConfBaseException as e:
             raise _explain(e, f"override '{item}'") from None
+        except TypeError:  # 'data.train[0]=x': OmegaConf cannot merge one element into a typed list
+            key = item.split("=", 1)[0]
+            raise ConfigError(
+                f"override '{item}': set the whole list, e.g. {key.split('[')[0]}=[a,b] (elements of a list cannot "
+                "be set one by one)"
+            ) from None
     cfg: Config = OmegaConf.to_object(merged)  # type: ignore[assignment]
     _check_values(cfg)
     return cfg

@@ -121,6 +121,32 @@ def test_bad_choice_and_shapes_are_rejected():
     assert load_config(["tiny_cpu.yaml"], ["data.max_tokens=2048"]).data.max_tokens == 2048
 
 
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("trainer.accumulate_grad_batches=0", "'trainer.accumulate_grad_batches': 0; it must be >= 1"),
+        ("trainer.max_steps=-5", "'trainer.max_steps': -5; it must be >= 1"),
+        ("data.lookahead=0", "'data.lookahead': 0; it must be >= 1"),
+        ("data.num_workers=-1", "'data.num_workers': -1; it must be >= 0"),
+        ("optim.lr=-1", "'optim.lr': -1.0; it must be >= 0"),
+        ("optim.warmup_steps=-1", "'optim.warmup_steps': -1; it must be >= 0"),
+        ("optim.betas=[0.9]", "'optim.betas': [0.9]; two numbers in [0, 1)"),
+        ("data.train_weights=[-1.0]", "weights must be >= 0"),
+        ("trainer.devices=two", "'trainer.devices': 'two'; a number >= 1 or 'auto'"),
+        ("trainer.devices=0", "'trainer.devices': 0; a number >= 1 or 'auto'"),
+        ("data.train[0]=data/x", "set the whole list, e.g. data.train=[a,b]"),
+    ],
+)
+def test_values_out_of_range_are_config_errors_naming_the_key(override, message):
+    """They used to pass and fail later (ZeroDivisionError, Lightning's exception after the data setup, an
+    IndexError) or never (a negative learning rate trained in reverse)."""
+    with pytest.raises(ConfigError) as e:
+        load_config(["tiny_cpu.yaml"], [override])
+    assert message in str(e.value)
+    for fine in ("data.shuffle_buffer=0", "data.max_image_pixels=0", "trainer.devices=2", "optim.lr=0"):
+        load_config(["tiny_cpu.yaml"], [fine])
+
+
 def test_resolved_config_round_trips_through_run_dir(tmp_path: Path):
     cfg = load_config(["tiny_cpu.yaml"], ["trainer.max_steps=7"])
     path = save_config(cfg, tmp_path / "run")
