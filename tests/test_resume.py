@@ -155,11 +155,25 @@ def test_kill_9_mid_run_resumes_from_last_checkpoint(small_demo, single_referenc
 
 @pytest.mark.slow
 @pytest.mark.distributed
-@pytest.mark.parametrize("target", ["rank0", "group"])
+def _rank_process(launcher_pid: int, rank: int) -> int:
+    """The pid of local rank ``rank`` that Lightning's launcher (``launcher_pid``, rank 0) started."""
+    for proc in Path("/proc").iterdir():
+        try:
+            ppid = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            env = (proc / "environ").read_bytes().split(b"\0")
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == launcher_pid and f"LOCAL_RANK={rank}".encode() in env:
+            return int(proc.name)
+    raise AssertionError(f"no rank-{rank} process under {launcher_pid}")
+
+
+@pytest.mark.parametrize("target", ["rank0", "rank1", "group"])
 def test_sigterm_under_ddp_saves_on_all_ranks_and_exits_cleanly(small_demo, tmp_path, target):
-    """``rank0``: SIGTERM to rank 0 only (as `kill <pid>` does). ``group``: SIGTERM to every process of the job,
-    both ranks and their DataLoader workers (as SLURM preemption / `scancel` deliver it). Either way every rank
-    stops at the same step after one checkpoint."""
+    """``rank0``: SIGTERM to rank 0 only (as `kill <pid>` does). ``rank1``: to the other rank only (the message
+    must still say a signal stopped the run). ``group``: SIGTERM to every process of the job, both ranks and
+    their DataLoader workers (as SLURM preemption / `scancel` deliver it). Either way every rank stops at the
+    same step after one checkpoint."""
     run_dir = tmp_path / "term"
     extra = ["trainer.max_steps=200", "trainer.devices=2", "trainer.strategy=ddp", "checkpoint.every_n_steps=0"]
     proc = subprocess.Popen(
@@ -177,6 +191,8 @@ def test_sigterm_under_ddp_saves_on_all_ranks_and_exits_cleanly(small_demo, tmp_
         time.sleep(0.1)
     if target == "group":
         os.killpg(proc.pid, signal.SIGTERM)
+    elif target == "rank1":
+        os.kill(_rank_process(proc.pid, 1), signal.SIGTERM)
     else:
         proc.send_signal(signal.SIGTERM)
     try:
@@ -186,6 +202,7 @@ def test_sigterm_under_ddp_saves_on_all_ranks_and_exits_cleanly(small_demo, tmp_
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 0, out[-3000:]
     assert "signal received: saved" in out and "Run the same command again to resume" in out
+    assert "stopped by a signal at step" in out and "stop_at_step" not in out
     ckpts = list_checkpoints(run_dir / "checkpoints")
     assert len(ckpts) == 1 and 2 <= ckpts[0][0] < 200
     step = ckpts[0][0]

@@ -87,7 +87,7 @@ def main(argv: Sequence[str] | None = None, default_configs: Sequence[str] = (DE
         print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
         return 2
     if result.preempted:
-        cause = "as trainer.stop_at_step asks" if result.global_step == cfg.trainer.stop_at_step else "by a signal"
+        cause = "by a signal" if result.stopped_by_signal else "as trainer.stop_at_step asks"
         print(
             f"stopped {cause} at step {result.global_step}; checkpoint {result.last_checkpoint}. "
             "Run the same command again to resume."

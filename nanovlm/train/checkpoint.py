@@ -239,7 +239,8 @@ class PeriodicCheckpoint(pl.Callback):
         self.stop_at_step = stop_at_step  # behave as if a signal arrived at this step (0 = never)
         self.every_n_steps = every_n_steps
         self.keep_last = max(1, keep_last)
-        self.preempted = False  # set when training stopped because of a signal
+        self.preempted = False  # set when training stopped early: a signal, or trainer.stop_at_step
+        self.by_signal = False  # ... and it was a signal (on any rank)
         self.last_saved: Path | None = None
         self.last_saved_step = -1
         self._signal_received = False
@@ -277,13 +278,13 @@ class PeriodicCheckpoint(pl.Callback):
         if step == self._last_step:  # inside a gradient-accumulation window: not a step boundary
             return
         self._last_step = step
-        stop = _any_rank(self._signal_received, pl_module.device) or step == self.stop_at_step
-        if stop and step < trainer.max_steps:
+        signalled = _any_rank(self._signal_received, pl_module.device)  # on any rank: the same answer on all
+        if (signalled or step == self.stop_at_step) and step < trainer.max_steps:
             path = self.save(trainer)
-            self.preempted = True
+            self.preempted, self.by_signal = True, signalled
             trainer.should_stop = True
             if trainer.is_global_zero:
-                why = "signal received" if self._signal_received else "trainer.stop_at_step reached"
+                why = "signal received" if signalled else "trainer.stop_at_step reached"
                 print(f"[checkpoint] {why}: saved {path} at step {step}; stopping (rerun to resume)", flush=True)
             return
         if self.every_n_steps > 0 and step % self.every_n_steps == 0 and step < trainer.max_steps:

@@ -39,9 +39,10 @@ from nanovlm.train.module import VLMModule
 class TrainResult:
     run_dir: Path
     global_step: int
-    preempted: bool  # stopped early by SIGTERM / SIGUSR1 (a checkpoint was saved)
+    preempted: bool  # stopped early by SIGTERM / SIGUSR1 or trainer.stop_at_step (a checkpoint was saved)
     last_checkpoint: Path | None
     resumed_from: Path | None
+    stopped_by_signal: bool = False  # preempted by a signal (on any rank), not by trainer.stop_at_step
     telemetry: list[dict[str, float]] = field(default_factory=list)  # rank 0's logged rows
     eval: dict[str, Any] | None = None
 
@@ -265,6 +266,7 @@ def train(
         preempted=ckpt.preempted,
         last_checkpoint=ckpt.last_saved,
         resumed_from=resume,
+        stopped_by_signal=ckpt.by_signal,
         telemetry=telemetry.history,
     )
     if t.eval_at_end and finished:
