@@ -74,3 +74,12 @@ def test_new_project_script_creates_and_refuses_to_overwrite(tmp_path):
     assert (tmp_path / "shapes-qa" / "shapes_qa" / "decode.py").is_file()
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1 and "already exists" in proc.stderr
+
+
+@pytest.mark.parametrize("name", ["123 bad/name", "class", "my.vlm", "x!"])
+def test_new_project_refuses_names_that_make_no_valid_package(tmp_path, name):
+    """'123 bad/name' used to create 123-bad/name/123_bad/name/ with a syntax error in its prepare_data.py."""
+    cmd = [sys.executable, "scripts/new_project.py", name, "-o", str(tmp_path)]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and f"error: project name {name!r}" in proc.stderr, proc.stderr
+    assert not list(tmp_path.iterdir())

@@ -3,11 +3,25 @@
 from __future__ import annotations
 
 import argparse
+import keyword
+import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 TEMPLATE = Path(__file__).resolve().parent.parent.parent / "template"
+
+
+def check_name(name: str) -> str | None:
+    """Why ``name`` cannot make a project (its folder and Python package names follow from it), else None."""
+    slug = name.lower().replace(" ", "-").replace("_", "-")  # as template/cookiecutter.json derives them
+    package = slug.replace("-", "_")
+    if not re.fullmatch(r"[a-z][a-z0-9-]*", slug) or keyword.iskeyword(package):
+        return (
+            f"project name {name!r} would make the folder {slug!r} and the Python package {package!r}; use letters, "
+            "digits, spaces, '-' or '_', starting with a letter (e.g. 'Shapes QA')"
+        )
+    return None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -21,6 +35,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--description", default=None, help="one-line description")
     p.add_argument("--author", default=None, help="author name for pyproject.toml")
     args = p.parse_args(argv)
+    problem = check_name(args.name)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     from cookiecutter.main import cookiecutter
 
     context = {"project_name": args.name}
