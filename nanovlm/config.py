@@ -85,6 +85,9 @@ class DataConfig:
     train: list[str] = field(default_factory=lambda: ["data/demo/train"])  # dataset directories (shards + index)
     train_weights: list[float] = field(default_factory=list)  # per-directory repeat factor per epoch; [] = all 1.0
     val: list[str] = field(default_factory=lambda: ["data/demo/val"])  # validation directories; [] = no validation
+    val_samples: int = (
+        0  # validate on the first N samples of data.val (stored order; the same set on any topology); 0 = all
+    )
     tokenizer: str = "data/demo/tokenizer"  # local tokenizer dir or hub id (hub ids need network)
     make_demo_if_missing: bool = True  # build the procedural demo dataset + tokenizer when the paths above are absent
     max_tokens: int = 4096  # token budget per pack (text + image tokens): the T of every [1, T] batch
@@ -141,7 +144,9 @@ class TrainerConfig:
     max_steps: int = 1000  # optimizer steps to train
     accumulate_grad_batches: int = 1  # packs per optimizer step
     val_every_n_steps: int = 0  # run validation every N optimizer steps; 0 = only at the end
-    val_batches: int = 8  # packs per validation run
+    val_batches: int = (
+        -1
+    )  # per-rank cap on packs per validation run; -1 = no cap, 0 = no validation (see data.val_samples)
     log_every_n_steps: int = 10  # telemetry interval
     logger: str = "csv"  # csv | tensorboard | none
     progress_bar: bool = True  # show the progress bar with loss, tokens/s and fill
@@ -305,7 +310,6 @@ def _check_ranges(cfg: Config) -> None:
         },
         0: {
             "trainer.val_every_n_steps": t.val_every_n_steps,
-            "trainer.val_batches": t.val_batches,
             "trainer.eval_samples": t.eval_samples,
             "trainer.stop_at_step": t.stop_at_step,
             "trainer.peak_tflops": t.peak_tflops,
@@ -314,6 +318,7 @@ def _check_ranges(cfg: Config) -> None:
             "data.shuffle_buffer": d.shuffle_buffer,  # 0: no shuffling
             "data.max_image_pixels": d.max_image_pixels,  # 0: no limit of our own
             "data.max_carry": d.max_carry,
+            "data.val_samples": d.val_samples,
             "data.pad_cutoff": d.pad_cutoff,
             "data.max_skip_rate": d.max_skip_rate,
             "optim.lr": o.lr,
@@ -324,6 +329,7 @@ def _check_ranges(cfg: Config) -> None:
             "optim.grad_clip": o.grad_clip,
         },
     }
+    at_least[-1] = {"trainer.val_batches": t.val_batches}
     for low, values in at_least.items():
         for key, value in values.items():
             if value < low:

@@ -243,6 +243,18 @@ def test_validation_covers_every_sample_once_whatever_the_topology(data, tiny_to
     assert all(b["meta"]["loss_tokens"] == 0 and b["pixel_values"].shape[0] == 0 for b in empty)
 
 
+@pytest.mark.parametrize("world_size,workers", [(1, 0), (2, 2), (3, 1)])
+def test_val_samples_is_one_subset_whatever_the_topology(data, tiny_tokenizer, world_size, workers):
+    """data.val_samples: the first N samples of the validation set, each once, on any number of ranks/workers
+    (a per-rank cap on packs, trainer.val_batches, validates a topology-dependent subset)."""
+    cfg = make_cfg([data / "a"], [data / "val"], num_workers=workers, max_tokens=160, val_samples=7)
+    dms = [make_dm(cfg, tiny_tokenizer, r, world_size) for r in range(world_size)]
+    keys = [k for dm in dms for b in dm.val_dataloader() for k in b["sample_keys"]]
+    first = dms[0].val_table.keys
+    assert len(first) == 7 and sorted(keys) == sorted(first)
+    assert first == [k for sh in load_index(data / "val").shards for k in sh.keys][:7]  # stored order
+
+
 def test_validation_set_smaller_than_the_slots(tmp_path, make_dataset, data, tiny_tokenizer):
     make_dataset(tmp_path / "val1", 1, seed=4, image_token_count=IMAGE_TOKENS, key_prefix="v")
     cfg = make_cfg([data / "a"], [tmp_path / "val1"], num_workers=2)

@@ -367,6 +367,8 @@ class PackedMultimodalDataModule(L.LightningDataModule):
                 raise ValueError("data.train lists no dataset directory")
             self.table = self._load_table(list(self.cfg.train))
             self.val_table = self._load_table(list(self.cfg.val)) if self.cfg.val else None
+            if self.val_table is not None and self.cfg.val_samples > 0:  # one global subset: any topology sees it
+                self.val_table = self.val_table.head(self.cfg.val_samples)
             self.processor = SampleProcessor(
                 self.tokenizer,
                 self.image_size,

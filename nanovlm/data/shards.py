@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -56,6 +56,11 @@ class SampleTable:
 
     def __len__(self) -> int:
         return len(self.keys)
+
+    def head(self, n: int) -> SampleTable:
+        """The first ``n`` samples (stored order); shards past them stay listed but hold no sample."""
+        cut = {f: getattr(self, f)[:n] for f in ("dataset", "shard", "offset", "nbytes", "length", "n_images", "keys")}
+        return replace(self, **cut)
 
     @classmethod
     def from_shard_columns(cls, datasets: Sequence[tuple[str, Sequence[dict]]], image_token_count: int) -> SampleTable:

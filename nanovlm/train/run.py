@@ -171,7 +171,7 @@ def build_trainer(
     accum = t.accumulate_grad_batches
     # The training stream is infinite: periodic validation is scheduled in micro-batches; the final one is run
     # by ``train`` after fit (see there).
-    has_val = bool(cfg.data.val) and t.val_batches > 0
+    has_val = bool(cfg.data.val) and t.val_batches != 0
     periodic_val = has_val and t.val_every_n_steps > 0
     plugins: list[Any] = [AtomicCheckpointIO()]
     if "SLURM_NTASKS" in os.environ:
@@ -191,7 +191,7 @@ def build_trainer(
         gradient_clip_val=cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else None,
         val_check_interval=t.val_every_n_steps * accum if periodic_val else None,
         check_val_every_n_epoch=None,
-        limit_val_batches=t.val_batches if has_val else 0,
+        limit_val_batches=(t.val_batches if t.val_batches > 0 else 1.0) if has_val else 0,
         num_sanity_val_steps=0,
         log_every_n_steps=t.log_every_n_steps,
         logger=build_loggers(cfg, resume_step) or False,
@@ -258,7 +258,7 @@ def train(
     t = cfg.trainer
     finished = not ckpt.preempted and trainer.global_step >= t.max_steps
     validated_last = t.val_every_n_steps > 0 and t.max_steps % t.val_every_n_steps == 0
-    if finished and cfg.data.val and t.val_batches > 0 and not validated_last and not resumed_finished(resume, t):
+    if finished and cfg.data.val and t.val_batches != 0 and not validated_last and not resumed_finished(resume, t):
         trainer.validate(module, datamodule=datamodule, verbose=False)
     result = TrainResult(
         run_dir=Path(cfg.trainer.run_dir),
