@@ -417,3 +417,38 @@ def test_skipped_samples_metric_sums_every_rank(tmp_path):
     run_forked_ranks(_telemetry_rank, 2, tmp_path, skips, tmp_path / "rows.json")
     rows = json.loads((tmp_path / "rows.json").read_text())
     assert rows[0]["train/skipped_samples"] == 8.0 and rows[0]["train/tokens_per_s"] > 0
+
+
+def test_optimizer_state_keyed_by_name_loads_back_into_the_same_parameters(tmp_path):
+    """Groups that order the parameters otherwise than the model (as ours do: by part and weight decay) keep
+    every state on its own parameter; a position-keyed checkpoint is refused under FSDP2 with a clear message."""
+    from nanovlm.train.checkpoint import CheckpointModelMismatchError, check_checkpoint_fits
+    from nanovlm.train.module import optimizer_state_by_name
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    groups = [{"params": [model[1].weight, model[0].bias]}, {"params": [model[0].weight, model[1].bias], "lr": 0.1}]
+    opt = torch.optim.AdamW(groups, lr=0.01)
+    model(torch.randn(5, 3)).sum().backward()
+    opt.step()
+    names = {id(p): n for n, p in model.named_parameters()}
+    by_name = optimizer_state_by_name(opt.state_dict(), opt, names)
+    assert set(by_name["state"]) == {"1.weight", "0.bias", "0.weight", "1.bias"}
+    assert by_name["param_groups"][0]["params"] == ["1.weight", "0.bias"]
+    assert torch.equal(by_name["state"]["1.weight"]["exp_avg"], opt.state[model[1].weight]["exp_avg"])
+    assert optimizer_state_by_name(by_name, opt, names) is by_name and optimizer_state_by_name({}, opt, names) == {}
+    fresh = torch.optim.AdamW(
+        [{"params": [model[1].weight, model[0].bias]}, {"params": [model[0].weight, model[1].bias], "lr": 0.1}],
+        lr=0.01,
+    )
+    fresh.load_state_dict(by_name)
+    for p in model.parameters():
+        assert torch.equal(fresh.state[p]["exp_avg_sq"], opt.state[p]["exp_avg_sq"])
+
+    path = tmp_path / "old.ckpt"
+    torch.save({"state_dict": {}, "optimizer_states": [opt.state_dict()]}, path)
+    check_checkpoint_fits(path, {})  # DDP / one process: Lightning restores it by position
+    with pytest.raises(CheckpointModelMismatchError, match="keys its optimizer state by position"):
+        check_checkpoint_fits(path, {}, fsdp=True)
+    torch.save({"state_dict": {}, "optimizer_states": [by_name]}, path)
+    check_checkpoint_fits(path, {}, fsdp=True)

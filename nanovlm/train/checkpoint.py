@@ -137,19 +137,28 @@ def check_model_tensors(saved: dict[str, Any], expected: dict[str, Any], shown: 
     )
 
 
-def check_checkpoint_fits(path: Path, expected: dict[str, Any]) -> None:
+def check_checkpoint_fits(path: Path, expected: dict[str, Any], fsdp: bool = False) -> None:
     """Check the model tensors of the checkpoint to resume from against the model, before training starts.
 
     One place for every strategy (Lightning's DDP/single path and ModelParallelStrategy load the weights at
     different points). The file is memory-mapped, so only names and shapes are read. A file torch cannot read is
-    left to the real load, which reports it.
+    left to the real load, which reports it. Under FSDP2 (``fsdp``), a checkpoint whose optimizer state is keyed
+    by position (written without FSDP2 by a version before 2026-11-30) cannot be restored: said here, not as a
+    shape mismatch deep in the loader.
     """
     try:
-        saved = torch.load(path, map_location="cpu", mmap=True, weights_only=True).get("state_dict")
+        ckpt = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
     except Exception:
         return
-    if saved:
-        check_model_tensors(saved, expected)
+    if ckpt.get("state_dict"):
+        check_model_tensors(ckpt["state_dict"], expected)
+    positional = any(isinstance(k, int) for s in ckpt.get("optimizer_states") or [] for k in s.get("state", {}))
+    if fsdp and positional:
+        raise CheckpointModelMismatchError(
+            f"{path} keys its optimizer state by position (written without FSDP by an older version), which FSDP2 "
+            "cannot restore: resume it once with trainer.strategy=ddp (or one process) to rewrite it, or start "
+            "from its weights only with checkpoint.init_from in a new trainer.run_dir"
+        )
 
 
 def load_weights(path: str | Path, module: torch.nn.Module) -> None:

@@ -55,6 +55,26 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def optimizer_state_by_name(state: dict[str, Any], optimizer: torch.optim.Optimizer, names: dict[int, str]) -> dict:
+    """``optimizer.state_dict()`` keyed by parameter name instead of by position, as FSDP2 writes it.
+
+    Lightning's FSDP2 loader re-keys a position-keyed state by the *model's* parameter order, but the optimizer's
+    groups (vision / projector / language, with and without weight decay) order the parameters otherwise, so a
+    checkpoint written by one process or DDP failed to resume under FSDP2 (shape mismatch). Name-keyed, it
+    loads under every strategy: ``Optimizer.load_state_dict`` pairs the keys with its parameters by position.
+    An already name-keyed state (FSDP2's own) or an empty one (FSDP2 on ranks > 0) is returned as is.
+    """
+    saved_ids = [i for g in state.get("param_groups", ()) for i in g["params"]]
+    if not saved_ids or not isinstance(saved_ids[0], int):
+        return state
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    name = {i: names[id(p)] for i, p in zip(saved_ids, params)}
+    return {
+        "state": {name[i]: v for i, v in state["state"].items()},
+        "param_groups": [{**g, "params": [name[i] for i in g["params"]]} for g in state["param_groups"]],
+    }
+
+
 class VLMModule(pl.LightningModule):
     """Wraps ``NanoVLM`` for Lightning. ``model`` may be passed in (tests, custom projects); otherwise it is
     built from ``cfg.model`` and ``tokenizer``."""
@@ -142,7 +162,13 @@ class VLMModule(pl.LightningModule):
 
     # -- checkpoint extras ------------------------------------------------------------------------------------
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """Store the RNG states of every rank (a collective: Lightning calls this on all ranks)."""
+        """Store the RNG states of every rank (a collective: Lightning calls this on all ranks), and key the
+        optimizer state by parameter name (see ``optimizer_state_by_name``)."""
+        optimizers = self.trainer.optimizers if self._trainer is not None else []
+        states = checkpoint.get("optimizer_states") or []
+        if len(states) == len(optimizers):
+            names = {id(p): n for n, p in self.named_parameters()}
+            checkpoint["optimizer_states"] = [optimizer_state_by_name(s, o, names) for s, o in zip(states, optimizers)]
         state = _rng_state()
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             gathered: list[Any] = [None] * dist.get_world_size()

@@ -249,7 +249,7 @@ def train(
                     flush=True,
                 )
     if resume is not None:
-        check_checkpoint_fits(resume, module.state_dict())
+        check_checkpoint_fits(resume, module.state_dict(), fsdp=cfg.trainer.strategy == "fsdp")
     elif cfg.checkpoint.init_from:  # a new stage: weights only, before the model is sharded or wrapped
         load_weights(cfg.checkpoint.init_from, module)
         if strategies.global_rank_from_env() == 0:
