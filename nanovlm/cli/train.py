@@ -42,7 +42,8 @@ def parse_args(
         action="append",
         default=None,
         metavar="FILE",
-        help=f"YAML config, may be repeated (later files win); default: {' + '.join(default_configs)}",
+        help=f"YAML config, may be repeated (later files win); default: {' + '.join(default_configs)}, which any "
+        "--config replaces (list it too to build on it)",
     )
     p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. trainer.max_steps=10")
