@@ -170,7 +170,11 @@ def evaluate_at_end(cfg: Config, module: Any, datamodule: Any, trainer: Any) -> 
         return None
     if cfg.trainer.strategy == "fsdp":
         if trainer.is_global_zero:
-            print("[eval] skipped under FSDP (sharded weights); evaluate a checkpoint in a single process")
+            print(
+                "[eval] skipped under FSDP (sharded weights). To evaluate, run the same command in one process "
+                "(python scripts/train.py ... trainer.strategy=auto trainer.devices=1): it resumes the final "
+                "checkpoint, has nothing left to train, and evaluates"
+            )
         return None
     result = None
     if trainer.is_global_zero:
