@@ -69,8 +69,11 @@ def test_help_points_to_config_docs():
 def test_two_step_fit_writes_run_dir_and_evaluates(small_demo, tmp_path):  # noqa: F811
     run_dir = tmp_path / "run"
     extra = ["trainer.max_steps=2", "trainer.eval_at_end=true", "trainer.eval_samples=3", "trainer.log_every_n_steps=1"]
+    extra.append("optim.warmup_steps=3")
     out = run_train(small_demo, run_dir, *extra)
     assert "nanovlm training run" in out and "attention     : sdpa" in out  # the start summary
+    assert "weights       : random init" in out
+    assert "optim.warmup_steps=3 > trainer.max_steps: the learning rate never leaves warmup (it peaks at 67%" in out
     assert "[val] step 2: val/loss" in out
     assert "[eval] held-out answer accuracy:" in out and "on 3 samples (chance" in out
     # the resolved config, the metrics, the step trace and the final checkpoint

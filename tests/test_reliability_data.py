@@ -692,6 +692,8 @@ def test_index_only_corrupt_header_is_reported_not_silently_dropped(tmp_path, ti
     assert rc == 0
     assert keys == {"part-0.tar": [f"x0_{i}" for i in range(6)], "part-1.tar": ["x1_0", "x1_1", "x1_2"]}
     assert [(r["source"], r["reason"]) for r in rejected] == [("part-1.tar", "corrupt_shard")]
+    # one skip stands for an unknown number of lost samples: the detail says so
+    assert "The 3 sample(s) before the damage are indexed; everything after it" in rejected[0]["detail"]
 
 
 def test_index_only_zero_byte_shard_is_reported(tmp_path, tiny_tokenizer):

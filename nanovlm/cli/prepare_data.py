@@ -238,11 +238,19 @@ def run_index_only(args, in_dir: Path, out_dir: Path, tok_path: str, fingerprint
         raise SystemExit(f"error: no .tar shards in {in_dir}")
     tasks: list[tuple] = []
     for path in shards:
+        before = len(tasks)
         try:
             for ts in scan_tar(path):
                 tasks.append((str(path), ts))
         except (tarfile.TarError, OSError, EOFError) as e:  # keep the samples before the damage
-            report.skip(path.name, path.name, "corrupt_shard", f"{type(e).__name__}: {e}")
+            kept = len(tasks) - before
+            report.skip(
+                path.name,
+                path.name,
+                "corrupt_shard",
+                f"{type(e).__name__}: {e}. The {kept} sample(s) before the damage are indexed; everything after it in "
+                "this shard is NOT (not counted above: its samples cannot be read). Rewrite the shard from its source",
+            )
     columns: dict[str, dict] = {
         str(p): {k: [] for k in ("keys", "offsets", "nbytes", "text_tokens", "n_images", "image_sizes")} for p in shards
     }

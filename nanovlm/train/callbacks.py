@@ -326,6 +326,15 @@ def start_summary(cfg: Config, config_files: list[str], trainer: pl.Trainer, mod
         parts.append(f"{part} {_fmt_count(total)}" + ("" if trainable == total else " (frozen)"))
     total = sum(p.numel() for p in model.parameters())
     lines.append(f"model         : {_fmt_count(total)} params = {' + '.join(parts)}")
+    m = cfg.model
+    weights = [
+        f"{part} from {path}"
+        for part, path in (("vision", m.vision_checkpoint), ("language", m.language_checkpoint))
+        if path
+    ]
+    if cfg.checkpoint.init_from:
+        weights.append(f"all from {cfg.checkpoint.init_from} (checkpoint.init_from, when starting fresh)")
+    lines.append(f"weights       : {'; '.join(weights) if weights else 'random init'}")
     precision = trainer.precision if trainer is not None else resolve_precision(cfg.trainer)
     device = module.device
     try:
@@ -363,6 +372,12 @@ def start_summary(cfg: Config, config_files: list[str], trainer: pl.Trainer, mod
         f"schedule      : {cfg.trainer.max_steps} steps, lr {cfg.optim.lr:g} ({cfg.optim.schedule}, "
         f"warmup {cfg.optim.warmup_steps}), checkpoints every {cfg.checkpoint.every_n_steps} steps"
     )
+    if cfg.optim.warmup_steps > cfg.trainer.max_steps:
+        peak = cfg.trainer.max_steps / max(1, cfg.optim.warmup_steps)
+        lines.append(
+            f"note          : optim.warmup_steps={cfg.optim.warmup_steps} > trainer.max_steps: the learning rate "
+            f"never leaves warmup (it peaks at {peak:.0%} of optim.lr)"
+        )
     lines.append("=" * 78)
     return "\n".join(lines)
 
