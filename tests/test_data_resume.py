@@ -230,3 +230,42 @@ def test_state_dict_gathers_every_rank_under_torch_distributed(data, tiny_tokeni
         dm.load_state_dict(state)
         got = [b["sample_keys"] for b in take(dm, 2, consume=False)]
         assert got == json.loads((tmp_path / f"next{rank}.json").read_text())
+
+
+def test_resume_in_an_epoch_that_opened_with_carried_samples(data, tiny_tokenizer):
+    """The other resume tests' epochs open with nothing carried over; here three samples are."""
+    cfg = make_cfg([data / "a", data / "b"], num_workers=3, max_tokens=200)
+    ref = make_dm(cfg, tiny_tokenizer)
+    per_epoch = ref.current_plan().batches_per_rank()
+    assert ref.current_plan().carry_out.size > 0
+    take(ref, per_epoch + 1)
+    state = ref.state_dict()
+    assert state["carry_in"]
+    want = take(ref, 3, consume=False)
+    dm = make_dm(cfg, tiny_tokenizer)
+    dm.load_state_dict(state)
+    for got, w in zip(take(dm, 3), want):
+        same_batch(got, w)
+
+
+def test_planned_skips_are_counted_once_after_a_mid_epoch_resume(data, tiny_tokenizer):
+    cfg = make_cfg([data / "a"], max_tokens=96)
+    first = make_dm(cfg, tiny_tokenizer)
+    over = int((first.table.length > 96).sum())
+    n = first.current_plan().batches_per_rank()
+    take(first, 2)
+    resumed = make_dm(cfg, tiny_tokenizer)
+    resumed.load_state_dict(first.state_dict())
+    take(resumed, n - 2)
+    assert resumed.telemetry()["last_epoch_skips"] == {"overlength": over}
+
+
+def test_total_skips_survive_a_state_round_trip(data, tiny_tokenizer):
+    cfg = make_cfg([data / "a"], max_tokens=96)
+    first = make_dm(cfg, tiny_tokenizer)
+    take(first, first.current_plan().batches_per_rank() + 1)
+    state = first.state_dict()
+    assert state["ranks"][0]["total_skips"]
+    restored = make_dm(cfg, tiny_tokenizer)
+    restored.load_state_dict(state)
+    assert restored.state_dict()["ranks"][0]["total_skips"] == state["ranks"][0]["total_skips"]

@@ -187,3 +187,35 @@ def test_record_to_json_is_deterministic_and_round_trips():
     blob = record_to_json(r)
     assert blob == record_to_json(Record("k", r.messages, [], {"a": 2, "b": 1}))
     assert json.loads(blob) == {"a": 2, "b": 1, "messages": r.messages}
+
+
+def test_llava_placeholder_goes_into_the_first_user_turn_only():
+    from nanovlm.data.format import parse_json_sample
+
+    obj = {
+        "image": "a.jpg",
+        "conversations": [
+            {"from": "human", "value": "q1"},
+            {"from": "gpt", "value": "a1"},
+            {"from": "human", "value": "q2"},
+            {"from": "gpt", "value": "a2"},
+        ],
+    }
+    msgs, _, _ = parse_json_sample(obj, "k")
+    assert msgs[0]["content"] == "<image>\nq1" and msgs[2]["content"] == "q2"
+
+
+def test_numbered_images_sort_numerically():
+    members = {f"{i}.png": bytes([i]) for i in range(12)}
+    text = "<image>" * 12
+    members["json"] = json.dumps(
+        {"messages": [{"role": "user", "content": text}, {"role": "assistant", "content": "x"}]}
+    ).encode()
+    assert members_to_record(members, "k").images == [bytes([i]) for i in range(12)]  # 2.png before 10.png
+
+
+def test_a_blank_assistant_turn_is_no_answer():
+    assert (
+        reason(validate_messages, [{"role": "user", "content": "hi"}, {"role": "assistant", "content": " "}], 0)
+        == "no_assistant_turn"
+    )

@@ -407,3 +407,38 @@ def test_rotary_equals_rotate_half_formula_bitwise_in_every_dtype():
         want = x * emb.cos().to(dtype) + torch.cat([-x2, x1], -1) * emb.sin().to(dtype)
         got = rope(x)
         assert got.dtype == dtype and torch.equal(got, want)
+
+
+def test_cached_decoding_logits_equal_a_full_recompute_at_every_step(monkeypatch):
+    """Greedy tokens alone do not show a wrong prefill mask, cache length or decode position (a tiny random model
+    mostly repeats its input); the logits of each generation step must equal the full forward's."""
+    model = make_model().eval()
+    s = samples()[2]
+    ids, pixels = s["input_ids"][None], s["pixel_values"]
+    seen = []
+    real = NanoVLM._sample
+    monkeypatch.setattr(NanoVLM, "_sample", staticmethod(lambda lg, *a: (seen.append(lg.clone()), real(lg, *a))[1]))
+    got = model.generate(ids, pixels, max_new_tokens=4)
+    with torch.no_grad():
+        full = model({"input_ids": torch.cat([ids, got], 1), "pixel_values": pixels})["logits"][0]
+    n = ids.shape[1]
+    assert len(seen) == 4
+    for i, logits in enumerate(seen):
+        torch.testing.assert_close(logits[0], full[n - 1 + i], atol=1e-4, rtol=1e-4)
+
+
+def test_left_padded_batch_equals_alone():
+    """The padding mask must hide padded keys (right padding alone cannot tell keys from queries)."""
+    model, items = make_model(), samples()
+    width = max(len(s["input_ids"]) for s in items)
+    ids = torch.full((len(items), width), PAD_ID)
+    mask = torch.zeros(len(items), width, dtype=torch.long)
+    for i, s in enumerate(items):
+        n = len(s["input_ids"])
+        ids[i, width - n :], mask[i, width - n :] = s["input_ids"], 1
+    batch = {"input_ids": ids, "attention_mask": mask, "pixel_values": torch.cat([s["pixel_values"] for s in items])}
+    with torch.no_grad():
+        out = model(batch)["logits"]
+        for i, s in enumerate(items):
+            n = len(s["input_ids"])
+            torch.testing.assert_close(out[i, width - n :], model(alone(s))["logits"][0], atol=2e-5, rtol=1e-5)

@@ -119,3 +119,20 @@ def test_padded_baselines():
     res = constrained(lengths, [0] * 7, batch_size=3, cutoff=6, overlength="truncate")
     assert res.packs == [[0, 1, 2], [3, 4, 5], [6]] and res.lengths == [5, 6, 3, 6, 6, 1, 2]
     assert padded_slots(res) == 18 + 18 + 2
+
+
+# Exact packs: budgets alone cannot tell a worse choice of samples (found by mutating the packer)
+
+
+def test_overdue_samples_are_taken_first_into_the_subset():
+    res = pack_online([3, 2, 5, 5, 10, 4, 6], [0] * 7, max_tokens=10, max_images=8, lookahead=4, max_carry=2)
+    assert res.packs == [[2, 3], [4], [0, 5, 1], [6]] and res.max_wait == 2
+
+
+def test_a_subset_that_fills_the_image_budget_exactly_is_taken():
+    res = pack_online([3, 3, 4, 4, 2], [0, 2, 1, 1, 2], max_tokens=10, max_images=3, lookahead=5)
+    assert res.packs == [[2, 0, 1], [3, 4]]
+
+
+def test_empty_samples_are_skipped_as_empty():
+    assert pack_online([0, 5], [0, 0], 10, 4).skipped == {"empty": [0]}

@@ -247,3 +247,11 @@ def test_letterbox_processor(tiny_tokenizer):
     t = p.image(png(Image.new("RGB", (4, 16), (0, 0, 255))))
     assert t.shape == (3, 8, 8)
     assert t[:, 4, 0].tolist() == [128, 128, 128] and t[:, 4, 4].tolist() == [0, 0, 255]
+
+
+def test_image_tokens_in_an_assistant_turn_are_not_loss_tokens(tiny_tokenizer):
+    proc = SampleProcessor(tiny_tokenizer, image_size=8, image_token_count=IMG_TOKENS)
+    ids, labels = proc.encode([{"role": "user", "content": "draw"}, {"role": "assistant", "content": "<image> here"}])
+    img = proc.image_token_id
+    assert ids.count(img) == IMG_TOKENS
+    assert all(lab == IGNORE_INDEX for t, lab in zip(ids, labels) if t == img)

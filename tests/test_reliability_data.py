@@ -713,3 +713,21 @@ def test_index_only_empty_tar_contributes_nothing_and_all_empty_is_an_error(tmp_
     rc, _, _ = _index_only(shards, tiny_tokenizer)
     assert rc == 1
     assert "no sample could be written" in capsys.readouterr().err
+
+
+def test_a_byte_range_longer_than_the_samples_members_is_corrupt():
+    import tarfile
+
+    from nanovlm.data.reader import parse_members
+
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.USTAR_FORMAT) as tf:
+        payload = b'{"a":1}'
+        info = tarfile.TarInfo("k.json")
+        info.size = len(payload)
+        tf.addfile(info, io.BytesIO(payload))
+    blob = buf.getvalue()[:1024]  # header + one data block
+    assert parse_members(blob, "k") == {"json": payload}
+    for extra in (b"\0" * 512, b"x" * 100):
+        with pytest.raises(SampleError):
+            parse_members(blob + extra, "k")

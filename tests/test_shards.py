@@ -205,3 +205,49 @@ def test_elastic_replan_continues_the_epoch_without_loss_or_repeat(old, new):
     # consumed positions: batch b of a rank = local slot b % W, pack b // W
     w = max(1, old[1])
     assert len(done) == sum(len(old_plan.pack(r * w + b % w, b // w)) for r in range(old[0]) for b in range(consumed))
+
+
+# Every source of per-epoch randomness must depend on the epoch (each alone was hidden by the others)
+
+
+def test_fractional_weight_takes_another_subset_each_epoch_also_from_one_shard():
+    t = make_table([[30, 30], [20]])
+    a = epoch_order(t, 0, 0, weights=[1.0, 0.5], shuffle_buffer=0)
+    b = epoch_order(t, 0, 1, weights=[1.0, 0.5], shuffle_buffer=0)
+    assert set(a[a >= 60].tolist()) != set(b[b >= 60].tolist())
+
+
+def test_shard_order_differs_per_epoch():
+    t = make_table(UNEVEN)
+    a, b = (epoch_order(t, 1, e, shuffle_buffer=0) for e in (0, 1))
+    assert [t.shard[g] for g in a] != [t.shard[g] for g in b]
+
+
+def test_window_shuffle_differs_per_epoch():
+    t = make_table([[60]])
+    assert not np.array_equal(epoch_order(t, 1, 0, shuffle_buffer=8), epoch_order(t, 1, 1, shuffle_buffer=8))
+
+
+SPEC_SKIP = PackSpec(max_tokens=200, max_images=8, lookahead=16, max_carry=4)
+
+
+def test_slot_skips_partition_the_plans_skips_also_at_slot_boundaries():
+    hit = False
+    for seed in range(20):
+        t = make_table(UNEVEN, seed=seed)
+        plan = build_epoch_plan(t, SPEC_SKIP, Topology(2, 2), seed=seed, epoch=0, shuffle_buffer=8)
+        per_slot = sorted(int(p) for s in range(4) for v in plan.slot_skips(s).values() for p in v)
+        assert per_slot == sorted(int(p) for v in plan.skipped.values() for p in v)
+        skipped = {int(p) for v in plan.skipped.values() for p in v}
+        hit |= bool(skipped & set(plan.slot_bounds[1:-1].tolist()))
+    assert hit  # the case that matters: a skipped sample at a slot boundary
+
+
+def test_elastic_replan_does_not_skip_the_old_plans_skips_again():
+    t = make_table(UNEVEN)
+    old = build_epoch_plan(t, SPEC_SKIP, Topology(2, 1), seed=5, epoch=2, shuffle_buffer=8)
+    assert old.skipped
+    rest = build_epoch_plan(t, SPEC_SKIP, Topology(1, 2), seed=5, epoch=2, history=[Segment(2, 1, 2)], shuffle_buffer=8)
+    old_skipped = {int(old.order[p]) for v in old.skipped.values() for p in v}
+    new_skipped = {int(rest.order[p]) for v in rest.skipped.values() for p in v}
+    assert not old_skipped & new_skipped

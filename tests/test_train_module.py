@@ -452,3 +452,46 @@ def test_optimizer_state_keyed_by_name_loads_back_into_the_same_parameters(tmp_p
         check_checkpoint_fits(path, {}, fsdp=True)
     torch.save({"state_dict": {}, "optimizer_states": [by_name]}, path)
     check_checkpoint_fits(path, {}, fsdp=True)
+
+
+def test_gradient_clipping_clips_to_optim_grad_clip_and_reports_the_norm_before():
+    from types import SimpleNamespace
+
+    p = torch.nn.Parameter(torch.zeros(4))
+    p.grad = torch.full((4,), 10.0)
+    opt = torch.optim.SGD([p], lr=0.1)
+    me = SimpleNamespace(cfg=SimpleNamespace(optim=SimpleNamespace(grad_clip=1.0)), last_grad_norm=None)
+    VLMModule.configure_gradient_clipping(me, opt)
+    assert float(me.last_grad_norm) == pytest.approx(20.0) and float(p.grad.norm()) == pytest.approx(1.0, rel=1e-5)
+
+
+def test_validation_loss_is_the_token_weighted_mean():
+    from types import SimpleNamespace
+
+    outs = iter(
+        [
+            {"loss": torch.tensor(1.0), "n_loss_tokens": torch.tensor(1)},
+            {"loss": torch.tensor(4.0), "n_loss_tokens": torch.tensor(3)},
+        ]
+    )
+    me = SimpleNamespace(
+        _loss_forward=lambda b: next(outs),
+        _val_sum=torch.zeros((), dtype=torch.float64),
+        _val_tokens=torch.zeros((), dtype=torch.float64),
+    )
+    VLMModule.validation_step(me, {}, 0)
+    VLMModule.validation_step(me, {}, 1)
+    assert float(me._val_sum / me._val_tokens) == pytest.approx((1 * 1 + 4 * 3) / 4)
+
+
+def test_steps_trace_is_cut_at_the_resumed_micro_batch(tmp_path):
+    from types import SimpleNamespace
+
+    from nanovlm.train.callbacks import DataProgress
+
+    path = tmp_path / "steps.jsonl"
+    path.write_text("".join(json.dumps({"micro": i}) + "\n" for i in range(6)))
+    progress = DataProgress(tmp_path, accumulate=2)
+    progress.on_train_start(SimpleNamespace(global_step=2), None)
+    progress._close()
+    assert [json.loads(line)["micro"] for line in path.read_text().splitlines()] == [0, 1, 2, 3]
