@@ -35,20 +35,23 @@ def hf_siglip(full: bool = False):
     return transformers.SiglipVisionModel(vision).eval()
 
 
+# the decoder shapes of LANGUAGE, in transformers' config names
+HF_DECODER = dict(
+    vocab_size=CKPT_VOCAB,
+    hidden_size=48,
+    num_hidden_layers=2,
+    num_attention_heads=6,
+    num_key_value_heads=2,
+    intermediate_size=80,
+    rms_norm_eps=1e-5,
+    rope_theta=50000.0,
+    max_position_embeddings=256,
+)
+
+
 def hf_llama(tie: bool = True):
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(
-        vocab_size=CKPT_VOCAB,
-        hidden_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=6,
-        num_key_value_heads=2,
-        intermediate_size=80,
-        rms_norm_eps=1e-5,
-        rope_theta=50000.0,
-        tie_word_embeddings=tie,
-        max_position_embeddings=256,
-    )
+    cfg = transformers.LlamaConfig(**HF_DECODER, tie_word_embeddings=tie)
     return transformers.LlamaForCausalLM(cfg).eval()
 
 
@@ -250,17 +253,7 @@ def test_checkpoints_of_other_architectures_are_refused_not_loaded_with_weights_
         dst = _resave(path, tmp_path / name, edit_state=lambda st, k=extra: st.__setitem__(k, torch.zeros(48)))
         with pytest.raises(CheckpointMismatchError, match=rf"1 checkpoint tensor\(s\) have no place .*{extra}"):
             load_language_weights(LanguageModel(LANGUAGE, 128), str(dst))
-    qwen = transformers.Qwen2Config(
-        vocab_size=CKPT_VOCAB,
-        hidden_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=6,
-        num_key_value_heads=2,
-        intermediate_size=80,
-        rms_norm_eps=1e-5,
-        rope_theta=50000.0,
-        tie_word_embeddings=True,
-    )
+    qwen = transformers.Qwen2Config(**HF_DECODER, tie_word_embeddings=True)  # the same shapes, q/k/v biases
     transformers.Qwen2ForCausalLM(qwen).save_pretrained(tmp_path / "qwen2")
     with pytest.raises(CheckpointMismatchError, match="is a 'qwen2' model; this loader reads llama / mistral"):
         load_language_weights(LanguageModel(LANGUAGE, 128), str(tmp_path / "qwen2"))
