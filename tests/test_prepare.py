@@ -445,3 +445,21 @@ def test_scan_tar_reports_a_bad_header_instead_of_stopping_silently(tmp_path, ma
         for s in scan_tar(path):
             seen.append(s.key)
     assert seen == shard.keys[:2]
+
+
+@pytest.mark.parametrize(
+    "orientation, upright", [(1, [12, 8]), (3, [12, 8]), (5, [8, 12]), (6, [8, 12]), (7, [8, 12]), (8, [8, 12])]
+)
+def test_image_sizes_are_upright_for_every_exif_orientation(orientation, upright):
+    """The index records [width, height] as displayed: orientations 5-8 swap them (5 and 7 are the transposed ones)."""
+    import io
+
+    from PIL import Image
+
+    from nanovlm.data.prepare import inspect_image
+
+    exif = Image.Exif()
+    exif[0x0112] = orientation
+    buf = io.BytesIO()
+    Image.new("RGB", (12, 8), (200, 10, 10)).save(buf, format="JPEG", exif=exif.tobytes())
+    assert inspect_image(buf.getvalue())[1] == upright

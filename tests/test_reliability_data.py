@@ -534,6 +534,7 @@ def test_skip_rate_below_threshold_trains_on(tmp_path, tiny_tokenizer):
     keys = run_epochs(dm)[0]
     assert len(keys) == 22 and not broken & set(keys)
     assert dm.telemetry()["skips_by_reason"] == {"unreadable_image": 2}
+    assert len(run_epochs(data_module(path, tiny_tokenizer, **{"data.max_skip_rate": 2 / 24}))[0]) == 22  # at the limit
     broken.add("s00020")
     rewrite_shard(path, 2, lambda k, s, d: not_an_image() if k in broken and s == "0.png" else d)
     with pytest.raises(SkipRateError):

@@ -495,3 +495,24 @@ def test_steps_trace_is_cut_at_the_resumed_micro_batch(tmp_path):
     progress.on_train_start(SimpleNamespace(global_step=2), None)
     progress._close()
     assert [json.loads(line)["micro"] for line in path.read_text().splitlines()] == [0, 1, 2, 3]
+
+
+def test_periodic_validation_counts_optimizer_steps_under_accumulation(tmp_path, capsys):
+    """trainer.val_every_n_steps is in optimizer steps; Lightning's interval is in micro-batches."""
+
+    class WithVal(StreamDataModule):
+        def val_dataloader(self):
+            return DataLoader([synthetic_batch(1000 + i, self.cfg) for i in range(2)], batch_size=None)
+
+    cfg = tiny_cfg(
+        tmp_path,
+        "trainer.max_steps=4",
+        "trainer.accumulate_grad_batches=2",
+        "trainer.val_every_n_steps=2",
+        "data.val=[unused]",  # the stand-in DataModule brings its own validation batches
+    )
+    pl.seed_everything(cfg.trainer.seed, verbose=False)
+    trainer, _, _ = build_trainer(cfg)
+    trainer.fit(VLMModule(cfg, model=tiny_model(cfg)), datamodule=WithVal(cfg), weights_only=True)
+    validated = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[val] step")]
+    assert [line.split(":")[0] for line in validated] == ["[val] step 2", "[val] step 4"]
