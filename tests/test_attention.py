@@ -162,3 +162,52 @@ def test_torch_varlen_adapter_handles_both_signatures(monkeypatch, fn, causal):
         torch.testing.assert_close(got, naive_attention(q, k, v, cu, causal), atol=1e-6, rtol=1e-6)
     finally:
         attn_mod._torch_varlen_params.cache_clear()
+
+
+@torch.library.custom_op("nanovlm_test::varlen", mutates_args=())
+def _varlen_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, causal: bool) -> torch.Tensor:
+    return naive_attention(q, k, v, cu, causal)
+
+
+@_varlen_op.register_fake
+def _(q, k, v, cu, causal):
+    return torch.empty_like(q)
+
+
+def test_a_compiled_block_with_the_varlen_kernel_is_one_graph(monkeypatch):
+    """trainer.compile on CUDA: the kernel path inside a block must not split the graph (the backend resolver's
+    lazy import and log call did, about five graphs per block, until the model resolved it outside the blocks).
+    CUDA's kernel is stood in by a traceable CPU op with torch 2.13's signature, found by the real lookup."""
+    from torch._dynamo.utils import counters
+
+    import nanovlm.model.attention as attn_mod
+    from nanovlm.config import LanguageConfig
+    from nanovlm.model.language import DecoderLayer, Rotary
+
+    def varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, window_size=(-1, -1), enable_gqa=False):
+        return _varlen_op(query, key, value, cu_seq_q, window_size == (-1, 0))
+
+    import torch.nn.attention.varlen
+
+    monkeypatch.setattr(torch.nn.attention.varlen, "varlen_attn", varlen_attn)  # found by the real lookup
+    attn_mod._torch_varlen_fn.cache_clear()
+    attn_mod._torch_varlen_params.cache_clear()
+    torch.manual_seed(0)
+    layer = DecoderLayer(
+        LanguageConfig(hidden_size=48, num_layers=1, num_heads=6, num_kv_heads=2, intermediate_size=96), "torch_varlen"
+    )
+    lengths = [20, 30, 14]
+    cu = torch.tensor([0, 20, 50, 64], dtype=torch.int32)
+    rope = Rotary(torch.cat([torch.arange(n) for n in lengths])[None], 8, 1e4, {torch.float32})
+    x = torch.randn(1, 64, 48)
+    kwargs = dict(cu_seqlens=cu, max_seqlen=30, kernel="torch_varlen")
+    eager = layer(x, rope, **kwargs)
+    layer.compile(backend="eager")
+    counters.clear()
+    for _ in range(2):
+        compiled = layer(x, rope, **kwargs)
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert counters["stats"]["unique_graphs"] == 1
+    torch.testing.assert_close(compiled, eager)
+    attn_mod._torch_varlen_fn.cache_clear()  # forget the stand-in
+    attn_mod._torch_varlen_params.cache_clear()
