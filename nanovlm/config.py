@@ -395,8 +395,23 @@ def load_config(files: Sequence[str | os.PathLike] = (), overrides: Sequence[str
                 "be set one by one)"
             ) from None
     cfg: Config = OmegaConf.to_object(merged)  # type: ignore[assignment]
+    _expand_home(cfg)
     _check_values(cfg)
     return cfg
+
+
+def _expand_home(cfg: Config) -> None:
+    """'~/...' in a path key means the home directory, as in a shell (a quoted or YAML value is not expanded)."""
+
+    def home(p: str | None) -> str | None:
+        return None if p is None else os.path.expanduser(p)
+
+    d, t, c, m = cfg.data, cfg.trainer, cfg.checkpoint, cfg.model
+    d.train, d.val = [home(p) for p in d.train], [home(p) for p in d.val]
+    d.tokenizer, t.run_dir, c.dir, c.init_from = home(d.tokenizer), home(t.run_dir), home(c.dir), home(c.init_from)
+    m.vision_checkpoint, m.language_checkpoint = home(m.vision_checkpoint), home(m.language_checkpoint)
+    if c.resume not in ("auto", "none"):
+        c.resume = home(c.resume)
 
 
 def to_yaml(cfg: Config) -> str:

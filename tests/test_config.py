@@ -152,3 +152,14 @@ def test_resolved_config_round_trips_through_run_dir(tmp_path: Path):
     path = save_config(cfg, tmp_path / "run")
     again = load_config([path])
     assert again == cfg
+
+
+def test_home_directory_in_path_keys_is_expanded():
+    cfg = load_config(
+        ["tiny_cpu.yaml"],
+        ["trainer.run_dir=~/runs/x", "data.train=[~/d/a,data/b]", "checkpoint.init_from=~/c.ckpt"],
+    )
+    home = str(Path.home())
+    assert cfg.trainer.run_dir == f"{home}/runs/x" and cfg.data.train == [f"{home}/d/a", "data/b"]
+    assert cfg.checkpoint.init_from == f"{home}/c.ckpt" and cfg.checkpoint.resume == "auto"
+    assert cfg.model.vision_checkpoint is None

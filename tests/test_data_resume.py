@@ -121,8 +121,11 @@ def test_changed_seed_or_data_is_refused(data, tiny_tokenizer):
     other = make_cfg([data / "a"], seed=99)
     with pytest.raises(DataStateError, match=r"seed: 1234 -> 99"):
         make_dm(other, tiny_tokenizer).load_state_dict(state)
-    with pytest.raises(DataStateError, match="datasets"):
+    with pytest.raises(DataStateError, match="datasets") as e:  # named by directory, not only by content hash
         make_dm(make_cfg([data / "b"]), tiny_tokenizer).load_state_dict(state)
+    assert f"data.train: ['{data / 'a'}'] -> ['{data / 'b'}']" in str(e.value) and "checkpoint.init_from" in str(
+        e.value
+    )
     with pytest.raises(DataStateError, match="max_tokens"):
         make_dm(make_cfg([data / "a"], max_tokens=300), tiny_tokenizer).load_state_dict(state)
 

@@ -565,6 +565,7 @@ class PackedMultimodalDataModule(L.LightningDataModule):
                     "carry_in": self._pos.carry_in.tolist(),
                     "history": [dataclasses.astuple(h) for h in self._pos.history],
                     "config": self._fingerprint(),
+                    "dataset_names": list(self.table.dataset_names),  # for messages only (the hashes decide)
                     "ranks": ranks,
                 }
             ]
@@ -596,6 +597,9 @@ class PackedMultimodalDataModule(L.LightningDataModule):
             raise DataStateError(f"data state version {state.get('version')} is not {STATE_VERSION}")
         saved, now = state["config"], self._fingerprint()
         changed = [f"{k}: {saved.get(k)!r} -> {now[k]!r}" for k in now if saved.get(k) != now[k]]
+        if "datasets" in saved and saved["datasets"] != now["datasets"]:  # name the directories, not only hashes
+            was = state.get("dataset_names", "?")
+            changed.append(f"data.train: {was} -> {list(self.table.dataset_names)} (content hashes above)")
         if changed:
             raise DataStateError(
                 "cannot resume the data stream exactly: the data order depends on settings that changed since "
