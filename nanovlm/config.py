@@ -298,6 +298,7 @@ def _check_ranges(cfg: Config) -> None:
     ZeroDivisionError, a Lightning exception after the data setup) or silently (a negative learning rate)."""
     d, o, t, c = cfg.data, cfg.optim, cfg.trainer, cfg.checkpoint
     at_least = {
+        -1: {"trainer.val_batches": t.val_batches},  # -1: no cap
         1: {
             "trainer.max_steps": t.max_steps,
             "trainer.accumulate_grad_batches": t.accumulate_grad_batches,
@@ -329,7 +330,6 @@ def _check_ranges(cfg: Config) -> None:
             "optim.grad_clip": o.grad_clip,
         },
     }
-    at_least[-1] = {"trainer.val_batches": t.val_batches}
     for low, values in at_least.items():
         for key, value in values.items():
             if value < low:

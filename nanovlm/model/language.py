@@ -192,8 +192,7 @@ class LanguageModel(nn.Module):
         for generation; with none of them each row is one causal sequence. ``return_hidden`` returns the final
         normed hidden states [B, T, hidden] instead, for a caller that applies ``lm_head`` to a few positions.
         """
-        dev = inputs_embeds.device.type
-        dtypes = {inputs_embeds.dtype, *([torch.get_autocast_dtype(dev)] if torch.is_autocast_enabled(dev) else [])}
+        dtypes = {inputs_embeds.dtype, compute_dtype(inputs_embeds)}  # the RoPE tables are cast to each once
         rope = Rotary(position_ids, self.head_dim, self.cfg.rope_theta, dtypes)
         pad_mask = None
         if attention_mask is not None and cu_seqlens is None and cache is None:

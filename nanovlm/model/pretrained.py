@@ -306,7 +306,8 @@ def check_tokenizer(tokenizer, name_or_path: str) -> None:
     belong to other tokens (training would start from scrambled embeddings, with no error anywhere). Checked
     against the tokenizer.json saved with the checkpoint, when there is one; tokens added after the checkpoint's
     vocabulary (<image>, padding) do not matter."""
-    path = resolve_checkpoint(name_or_path) / "tokenizer.json"
+    directory = resolve_checkpoint(name_or_path)
+    path = directory / "tokenizer.json"
     if not path.is_file():
         log.info("%s has no tokenizer.json: cannot check that data.tokenizer is the checkpoint's", name_or_path)
         return
@@ -320,5 +321,5 @@ def check_tokenizer(tokenizer, name_or_path: str) -> None:
         raise CheckpointMismatchError(
             f"data.tokenizer is not the tokenizer of language checkpoint {name_or_path}: {len(wrong)} of its "
             f"{len(theirs)} tokens have another id ({examples}), so the copied embedding rows would belong to other "
-            f"tokens. Prepare the data with the checkpoint's tokenizer (data.tokenizer={resolve_checkpoint(name_or_path)})."
+            f"tokens. Prepare the data with the checkpoint's tokenizer (data.tokenizer={directory})."
         )
