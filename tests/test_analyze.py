@@ -9,12 +9,12 @@ from nanovlm.data.analysis import LengthStats, collect, recommend, waste
 from nanovlm.data.index import DatasetIndex, ShardIndex, load_index
 
 
-def write_index(path, text_tokens, n_images, image_token_count=16):
+def write_index(path, text_tokens, n_images, image_token_count=16, prompts=((), ())):
     """An index.json with the given columns and no shard files (analysis must not need them)."""
     n = len(text_tokens)
     keys = [f"k{i}" for i in range(n)]
     shard = ShardIndex("shard-000000.tar", 0, n, keys, [0] * n, [512] * n, list(text_tokens), list(n_images),
-                       [[[32, 32]] * m for m in n_images])  # fmt: skip
+                       [[[32, 32]] * m for m in n_images], *map(list, prompts))  # fmt: skip
     path.mkdir(parents=True, exist_ok=True)
     DatasetIndex(path, "fp", image_token_count, "test", [shard]).save()
     return load_index(path, check_files=False)
@@ -30,6 +30,9 @@ def test_collect_expands_images(tmp_path):
     s = collect([idx, idx], image_token_count=16)
     assert s.total_tokens.tolist() == [10, 35, 60] * 2
     assert s.text_tokens.tolist() == [10, 20, 30] * 2 and s.n_images.tolist() == [0, 1, 2] * 2
+    assert s.prompt_tokens is None
+    idx = write_index(tmp_path / "p", [10, 20, 30], [0, 1, 2], 16, prompts=([5, 6, 7], [0, 1, 2]))
+    assert collect([idx], image_token_count=16).prompt_tokens.tolist() == [5, 21, 37]
 
 
 def test_waste_exact():
@@ -68,6 +71,16 @@ def test_recommendation_rules():
     assert r.max_tokens >= 1663 and any("0 samples are longer" in x for x in r.reasons)
     r = recommend(stats_of([100] * 3000 + [10000]), cap=1024)
     assert any(": 1 sample is longer" in x for x in r.reasons)
+
+
+def test_truncate_recommendation_counts_samples_whose_prompt_fills_the_budget(tmp_path):
+    stats = collect([write_index(tmp_path / "old", [1000] * 900 + [40000] * 100, [0] * 1000)], 16)
+    assert stats.prompt_tokens is None  # an index without the prompt columns: nothing to count
+    stats.prompt_tokens = np.asarray([10] * 900 + [20000] * 3 + [500] * 97)
+    r = recommend(stats, cap=16384)
+    assert r.overlength == "truncate" and any("3 of them have a prompt of 16384 tokens" in x for x in r.reasons)
+    stats.prompt_tokens = np.asarray([10] * 1000)
+    assert not any("a prompt of" in x for x in recommend(stats, cap=16384).reasons)
 
 
 def test_analyze_cli_writes_plots_and_summary(tmp_path, make_dataset, capsys):

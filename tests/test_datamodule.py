@@ -313,3 +313,63 @@ def test_collate_max_seqlen_counts_the_padding_tail_and_each_first_label_is_igno
     cu = b["cu_seqlens"]
     assert b["max_seqlen"] == int((cu[1:] - cu[:-1]).max()) == 11
     assert b["labels"][0, 0] == -100 and b["labels"][0, 3] == -100
+
+
+@pytest.fixture(scope="module")
+def long_prompts(tmp_path_factory, tiny_tokenizer):
+    """24 samples; every 6th has a user prompt longer than 96 tokens and a short answer."""
+    from conftest import synthetic_records
+
+    from nanovlm.data.format import Record
+    from nanovlm.data.prepare import write_dataset
+
+    records = []
+    for i, rec in enumerate(synthetic_records(24, seed=3)):
+        if i % 6 == 5:
+            rec = Record(rec.key, [{"role": "user", "content": "look " * 120}, rec.messages[1]], [], rec.extra)
+        records.append(rec)
+    path = tmp_path_factory.mktemp("prompts") / "d"
+    write_dataset(records, path, tiny_tokenizer, IMAGE_TOKENS, samples_per_shard=8)
+    return path, records
+
+
+def test_index_records_the_prompt_before_the_first_loss_token(long_prompts, tiny_tokenizer):
+    path, records = long_prompts
+    proc = SampleProcessor(tiny_tokenizer, 32, IMAGE_TOKENS)
+    shards = load_index(path).shards
+    prompts = [p for sh in shards for p in sh.prompt_lengths(IMAGE_TOKENS)]
+    for rec, prompt in zip(records, prompts, strict=True):
+        labels = proc.process(rec).labels.tolist()
+        assert prompt == next(i for i, label in enumerate(labels) if label != -100)  # image tokens expanded
+
+
+@pytest.mark.parametrize("mode", ["packed", "constrained"])
+def test_truncation_that_would_leave_no_answer_is_a_planned_skip(long_prompts, tiny_tokenizer, mode):
+    """A sample whose prompt alone fills max_tokens is skipped when the epoch is planned, like drop would:
+    planned as a truncated full pack instead, it was dropped at read time and left an empty batch (a
+    zero-gradient optimizer step)."""
+    path, records = long_prompts
+    cfg = make_cfg([path], max_tokens=96, overlength="truncate", mode=mode, batch_size=2, max_skip_rate=0.5)
+    dm = make_dm(cfg, tiny_tokenizer)
+    no_answer = {r.key for i, r in enumerate(records) if i % 6 == 5}
+    assert {dm.table.keys[g] for g in dm.current_plan().order[dm.current_plan().skipped["overlength"]]} == no_answer
+    batches = take(dm, dm.current_plan().batches_per_rank())
+    assert all(b["meta"]["real_tokens"] > 0 and (b["labels"] != -100).any() for b in batches)
+    seen = [k for b in batches for k in b["sample_keys"]]
+    assert not no_answer & set(seen)
+    assert dm.telemetry()["skips_by_reason"] == {"overlength": len(no_answer)}
+    assert len(seen) + len(no_answer) + len(dm._pos.carry_in) == len(records)
+
+
+def test_an_index_without_prompt_columns_still_trains_with_truncation(long_prompts, tiny_tokenizer, tmp_path):
+    """Indexes written before the prompt columns: the read-time check still drops and counts those samples."""
+    path = copy_dataset(long_prompts[0], tmp_path / "old")
+    raw = json.loads((path / "index.json").read_text())
+    for sh in raw["shards"]:
+        del sh["prompt_tokens"], sh["prompt_images"]
+    (path / "index.json").write_text(json.dumps(raw))
+    dm = make_dm(make_cfg([path], max_tokens=96, overlength="truncate", max_skip_rate=0.5), tiny_tokenizer)
+    assert (dm.table.prompt == -1).all() and "overlength" not in dm.current_plan().skipped
+    batches = take(dm, dm.current_plan().batches_per_rank())
+    assert dm.telemetry()["skips_by_reason"] == {"overlength": 4}
+    assert sum(b["meta"]["real_tokens"] == 0 for b in batches) == 4  # the old behaviour: one empty pack each

@@ -32,6 +32,8 @@ def test_index_contents_exact(tmp_path, make_dataset, tiny_tokenizer):
     assert keys == [r.key for r in records]
     assert [n for s in loaded.shards for n in s.n_images] == [i % 3 for i in range(37)]
     assert [t for s in loaded.shards for t in s.text_tokens] == [proc.text_tokens(r.messages) for r in records]
+    counts = [proc.token_counts(r.messages) for r in records]
+    assert [(p, m) for s in loaded.shards for p, m in zip(s.prompt_tokens, s.prompt_images)] == [c[1:] for c in counts]
     sizes = [sz for s in loaded.shards for sz in s.image_sizes]
     import io
 
@@ -375,6 +377,9 @@ def test_prepare_data_index_only_for_existing_webdataset(tmp_path, tiny_tokenize
         for i, key in enumerate(shard.keys):
             rec = members_to_record(read_sample(idx.shard_path(shard), shard.offsets[i], shard.nbytes[i], key), key)
             assert shard.text_tokens[i] == proc.text_tokens(rec.messages)
+            assert (shard.text_tokens[i], shard.prompt_tokens[i], shard.prompt_images[i]) == proc.token_counts(
+                rec.messages
+            )
             assert proc.process(rec).pixel_values.shape == (1, 3, 8, 8)
     rejected = [json.loads(line) for line in (out / "rejected.jsonl").read_text().splitlines()]
     assert [(r["key"], r["reason"]) for r in rejected] == [

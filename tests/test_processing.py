@@ -54,6 +54,9 @@ def test_chatml_ids_and_labels_exact(proc, tiny_tokenizer):
     templ = tok.apply_chat_template(msgs, tokenize=False).replace("<image>", "<image>" * IMG_TOKENS)
     assert enc(templ) == expected
     assert proc.text_tokens(msgs) == len(expected) - (IMG_TOKENS - 1)
+    # The prompt: everything up to the assistant's first content token, with the image counted once.
+    prompt = expected.index(enc("red")[0], expected.index(enc("assistant\n")[0]))
+    assert proc.token_counts(msgs) == (len(expected) - (IMG_TOKENS - 1), prompt - (IMG_TOKENS - 1), 1)
     assert s.pixel_values.dtype == torch.uint8 and s.pixel_values.shape == (1, 3, 8, 8)
     assert s.pixel_values[0, 0].min() == 255 and s.pixel_values[0, 1:].max() == 0
 

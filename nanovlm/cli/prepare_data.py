@@ -102,7 +102,7 @@ def _jsonl_work(task: tuple) -> tuple:
 
 
 def _tar_work(task: tuple) -> tuple:
-    """(shard path, TarSample) -> ("ok", key, offset, nbytes, text_tokens, sizes) | ("skip", ...)."""
+    """(shard path, TarSample) -> ("ok", key, offset, nbytes, token counts, sizes) | ("skip", ...)."""
     from nanovlm.data.format import SampleError
     from nanovlm.data.prepare import index_tar_sample
 
@@ -117,8 +117,8 @@ def _tar_work(task: tuple) -> tuple:
                 if len(data) != size:
                     raise SampleError("corrupt_member", ts.key, f"member {suffix} truncated")
                 members[suffix] = data
-        tokens, sizes = index_tar_sample(members, ts.key, _STATE["processor"], _STATE["max_pixels"])
-        return ("ok", ts.key, ts.offset, ts.nbytes, tokens, sizes)
+        counts, sizes = index_tar_sample(members, ts.key, _STATE["processor"], _STATE["max_pixels"])
+        return ("ok", ts.key, ts.offset, ts.nbytes, counts, sizes)
     except SampleError as e:
         return ("skip", ts.key, source, e.reason, e.detail)
 
@@ -251,9 +251,8 @@ def run_index_only(args, in_dir: Path, out_dir: Path, tok_path: str, fingerprint
                 f"{type(e).__name__}: {e}. The {kept} sample(s) before the damage are indexed; everything after it in "
                 "this shard is NOT (not counted above: its samples cannot be read). Rewrite the shard from its source",
             )
-    columns: dict[str, dict] = {
-        str(p): {k: [] for k in ("keys", "offsets", "nbytes", "text_tokens", "n_images", "image_sizes")} for p in shards
-    }
+    fields = ("keys", "offsets", "nbytes", "text_tokens", "n_images", "image_sizes", "prompt_tokens", "prompt_images")
+    columns: dict[str, dict] = {str(p): {k: [] for k in fields} for p in shards}
     seen: set[str] = set()
     init = (tok_path, args.max_image_pixels, False)
     with tqdm(total=len(tasks), unit="sample", desc="index", disable=None) as bar:
@@ -262,15 +261,14 @@ def run_index_only(args, in_dir: Path, out_dir: Path, tok_path: str, fingerprint
             if res[0] == "skip":
                 report.skip(*res[1:])
                 continue
-            _, key, offset, nbytes, tokens, sizes = res
+            _, key, offset, nbytes, (tokens, prompt_tokens, prompt_images), sizes = res
             if key in seen:
                 report.skip(key, f"{Path(path).name}@{offset}", "duplicate_key", "keys must be unique within a dataset")
                 continue
             seen.add(key)
             col = columns[path]
             for name, value in zip(
-                ("keys", "offsets", "nbytes", "text_tokens", "n_images", "image_sizes"),
-                (key, offset, nbytes, tokens, len(sizes), sizes),
+                fields, (key, offset, nbytes, tokens, len(sizes), sizes, prompt_tokens, prompt_images)
             ):
                 col[name].append(value)
             report.written += 1

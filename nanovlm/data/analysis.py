@@ -34,6 +34,8 @@ class LengthStats:
     n_images: np.ndarray
     image_token_count: int
     sources: list[str] = field(default_factory=list)
+    prompt_tokens: np.ndarray | None = None  # per sample, before the first loss token, images expanded (None: an
+    # index written before the prompt columns)
 
     @property
     def num_samples(self) -> int:
@@ -46,7 +48,9 @@ def collect(indexes: list[DatasetIndex], image_token_count: int) -> LengthStats:
     imgs = [n for idx in indexes for s in idx.shards for n in s.n_images]
     text_a, imgs_a = np.asarray(text, dtype=np.int64), np.asarray(imgs, dtype=np.int64)
     total = text_a + imgs_a * (image_token_count - 1)
-    return LengthStats(text_a, total, imgs_a, image_token_count, [str(i.root) for i in indexes])
+    per_shard = [s.prompt_lengths(image_token_count) for idx in indexes for s in idx.shards]
+    prompts = None if any(p is None for p in per_shard) else np.asarray([t for p in per_shard for t in p], np.int64)
+    return LengthStats(text_a, total, imgs_a, image_token_count, [str(i.root) for i in indexes], prompts)
 
 
 def percentiles(x: np.ndarray, qs=(50, 90, 99, 99.9)) -> dict[str, float]:
@@ -195,6 +199,11 @@ def recommend(
             f"{frac:.2%} of samples exceed it: dropping them would bias the data against long answers; truncating "
             "keeps their images and prompts (or raise max_tokens if memory allows)"
         )
+        if stats.prompt_tokens is not None and (no_answer := int((stats.prompt_tokens >= budget).sum())):
+            reasons.append(
+                f"{no_answer} of them {'has' if no_answer == 1 else 'have'} a prompt of {budget} tokens or more: "
+                "truncation keeps no answer of those, so they are skipped (counted as overlength) all the same"
+            )
     images_per_pack = budget / max(1.0, float(stats.total_tokens.mean())) * float(stats.n_images.mean())
     if images_per_pack > max_images:
         reasons.append(

@@ -347,6 +347,8 @@ class PackedMultimodalDataModule(L.LightningDataModule):
                     "nbytes": sh.nbytes,
                     "text_tokens": sh.text_tokens,
                     "n_images": sh.n_images,
+                    "prompt_tokens": sh.prompt_tokens or None,
+                    "prompt_images": sh.prompt_images or None,
                 }
                 for sh in idx.shards
             ]

@@ -39,10 +39,20 @@ class ShardIndex:
     text_tokens: list[int] = field(default_factory=list)  # tokens with each <image> counted once
     n_images: list[int] = field(default_factory=list)
     image_sizes: list[list[list[int]]] = field(default_factory=list)  # per sample, per image: [width, height]
+    # Before the first loss token: tokens (each <image> counted once) and images. Empty in an index written
+    # before these columns existed; only data.overlength=truncate uses them.
+    prompt_tokens: list[int] = field(default_factory=list)
+    prompt_images: list[int] = field(default_factory=list)
 
     def total_tokens(self, image_token_count: int) -> list[int]:
         """Tokens per sample after image expansion, for a model with ``image_token_count`` tokens per image."""
         return [t + n * (image_token_count - 1) for t, n in zip(self.text_tokens, self.n_images)]
+
+    def prompt_lengths(self, image_token_count: int) -> list[int] | None:
+        """Tokens before each sample's first loss token after image expansion; None for an older index."""
+        if not self.prompt_tokens and self.num_samples:
+            return None
+        return [t + n * (image_token_count - 1) for t, n in zip(self.prompt_tokens, self.prompt_images)]
 
 
 @dataclass
@@ -87,6 +97,7 @@ class DatasetIndex:
 
 
 _LIST_FIELDS = ("keys", "offsets", "nbytes", "text_tokens", "n_images", "image_sizes")
+_OPTIONAL_LIST_FIELDS = ("prompt_tokens", "prompt_images")  # absent (empty) in an index from an older version
 
 
 def load_index(directory: str | os.PathLike, check_files: bool = True) -> DatasetIndex:
@@ -116,7 +127,8 @@ def load_index(directory: str | os.PathLike, check_files: bool = True) -> Datase
             shard = ShardIndex(**s)
         except TypeError as e:
             raise DatasetIndexError(f"{path}: shard {i} has bad fields: {e}") from None
-        for f in _LIST_FIELDS:
+        optional_absent = all(not getattr(shard, f) for f in _OPTIONAL_LIST_FIELDS)
+        for f in _LIST_FIELDS + (() if optional_absent else _OPTIONAL_LIST_FIELDS):
             if len(getattr(shard, f)) != shard.num_samples:
                 raise DatasetIndexError(
                     f"{path}: shard {shard.name} has {len(getattr(shard, f))} {f} for {shard.num_samples} samples"

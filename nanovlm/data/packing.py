@@ -47,13 +47,23 @@ class PackResult:
 
 
 def _effective(
-    lengths: Sequence[int], n_images: Sequence[int], limit: int, max_images: int, overlength: str
+    lengths: Sequence[int],
+    n_images: Sequence[int],
+    limit: int,
+    max_images: int,
+    overlength: str,
+    prompts: Sequence[int] | None = None,
 ) -> tuple[list[int], dict[str, list[int]], list[int]]:
-    """Apply the over-length rule: returns (effective lengths, skipped by reason, truncated indices)."""
+    """Apply the over-length rule: returns (effective lengths, skipped by reason, truncated indices).
+
+    ``prompts`` (optional, -1 = unknown) are the tokens before each item's first loss token. Truncating an item
+    whose prompt alone reaches the limit would leave nothing to learn from: it is skipped as ``overlength``
+    here, rather than planned as a full pack that the reader then drops (an empty batch and a wasted step).
+    """
     if overlength not in OVERLENGTH_CHOICES:
         raise ValueError(f"overlength must be one of {OVERLENGTH_CHOICES}, got {overlength!r}")
-    if len(lengths) != len(n_images):
-        raise ValueError(f"lengths ({len(lengths)}) and n_images ({len(n_images)}) differ in length")
+    if len(lengths) != len(n_images) or (prompts is not None and len(prompts) != len(lengths)):
+        raise ValueError(f"lengths ({len(lengths)}), n_images ({len(n_images)}) and prompts differ in length")
     eff: list[int] = []
     skipped: dict[str, list[int]] = {}
     truncated: list[int] = []
@@ -64,7 +74,7 @@ def _effective(
         elif m > max_images:
             skipped.setdefault("too_many_images", []).append(i)
         elif n > limit:
-            if overlength == "drop":
+            if overlength == "drop" or (prompts is not None and int(prompts[i]) >= limit):
                 skipped.setdefault("overlength", []).append(i)
             else:
                 truncated.append(i)
@@ -105,6 +115,7 @@ def pack_online(
     lookahead: int = 64,
     max_carry: int = 8,
     overlength: str = "drop",
+    prompts: Sequence[int] | None = None,
 ) -> PackResult:
     """Online packing over a lookahead buffer: exact subset-sum fill, bounded carry-over.
 
@@ -116,7 +127,7 @@ def pack_online(
     """
     if max_tokens <= 0 or max_images < 0 or lookahead <= 0 or max_carry < 0:
         raise ValueError("max_tokens and lookahead must be positive, max_images and max_carry non-negative")
-    eff, skipped, truncated = _effective(lengths, n_images, max_tokens, max_images, overlength)
+    eff, skipped, truncated = _effective(lengths, n_images, max_tokens, max_images, overlength, prompts)
     invalid = {i for idx in skipped.values() for i in idx}
     n_items = len(eff)
     imgs = [int(m) for m in n_images]
@@ -214,23 +225,33 @@ def ffd_reference(
 
 
 def pad_to_longest(
-    lengths: Sequence[int], n_images: Sequence[int], batch_size: int, max_tokens: int, overlength: str = "drop"
+    lengths: Sequence[int],
+    n_images: Sequence[int],
+    batch_size: int,
+    max_tokens: int,
+    overlength: str = "drop",
+    prompts: Sequence[int] | None = None,
 ) -> PackResult:
     """Baseline: consecutive batches of ``batch_size`` samples, each padded to its longest sample.
 
     Slots of a batch = batch_size x longest; samples longer than ``max_tokens`` follow ``overlength``.
     """
-    return constrained(lengths, n_images, batch_size, max_tokens, overlength)
+    return constrained(lengths, n_images, batch_size, max_tokens, overlength, prompts)
 
 
 def constrained(
-    lengths: Sequence[int], n_images: Sequence[int], batch_size: int, cutoff: int, overlength: str = "drop"
+    lengths: Sequence[int],
+    n_images: Sequence[int],
+    batch_size: int,
+    cutoff: int,
+    overlength: str = "drop",
+    prompts: Sequence[int] | None = None,
 ) -> PackResult:
     """Baseline: like pad_to_longest, but the padded length is capped at ``cutoff`` (longer samples are
     dropped or truncated to it), which bounds the padding a single long sample can cause."""
     if batch_size <= 0 or cutoff <= 0:
         raise ValueError("batch_size and cutoff must be positive")
-    eff, skipped, truncated = _effective(lengths, n_images, cutoff, 1 << 30, overlength)
+    eff, skipped, truncated = _effective(lengths, n_images, cutoff, 1 << 30, overlength, prompts)
     invalid = {i for idx in skipped.values() for i in idx}
     valid = [i for i in range(len(eff)) if i not in invalid]
     packs = [valid[k : k + batch_size] for k in range(0, len(valid), batch_size)]

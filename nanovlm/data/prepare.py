@@ -20,7 +20,7 @@ import os
 import re
 import warnings
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import webdataset as wds
@@ -46,6 +46,8 @@ class PreparedSample:
     members: dict[str, bytes]
     text_tokens: int
     image_sizes: list[list[int]]  # per image [width, height], upright
+    prompt_tokens: int = 0  # tokens before the first loss token (each <image> counted once)
+    prompt_images: int = 0  # images before the first loss token
 
 
 def inspect_image(data: bytes, max_pixels: int = 0, key: str = "") -> tuple[str, list[int], bytes]:
@@ -97,7 +99,8 @@ def prepare_record(record: Record, processor: SampleProcessor, max_image_pixels:
         sizes.append(size)
     clean = Record(record.key, messages, record.images, record.extra)
     members["json"] = record_to_json(clean)
-    return PreparedSample(record.key, members, processor.text_tokens(messages), sizes)
+    text_tokens, prompt_tokens, prompt_images = processor.token_counts(messages)
+    return PreparedSample(record.key, members, text_tokens, sizes, prompt_tokens, prompt_images)
 
 
 class ShardWriter:
@@ -136,9 +139,7 @@ class ShardWriter:
                 str(self._tmp), encoder=False, mtime=0.0, user="nanovlm", group="nanovlm", mode=0o644
             )
         self._writer.write({"__key__": sample.key, **sample.members})
-        self._pending.append(
-            PreparedSample(sample.key, {}, sample.text_tokens, sample.image_sizes)  # drop bytes, keep fields
-        )
+        self._pending.append(replace(sample, members={}))  # drop the bytes, keep the index fields
         if len(self._pending) >= self.samples_per_shard:
             self._finish_shard()
 
@@ -162,6 +163,8 @@ class ShardWriter:
                 text_tokens=[s.text_tokens for s in self._pending],
                 n_images=[len(s.image_sizes) for s in self._pending],
                 image_sizes=[s.image_sizes for s in self._pending],
+                prompt_tokens=[s.prompt_tokens for s in self._pending],
+                prompt_images=[s.prompt_images for s in self._pending],
             )
         )
         self._writer, self._tmp, self._pending = None, None, []
@@ -269,8 +272,11 @@ def prepare_jsonl_line(
     return prepare_record(Record(key, messages, images, extra), processor, max_image_pixels)
 
 
-def index_tar_sample(members: dict[str, bytes], key: str, processor: SampleProcessor, max_image_pixels: int):
-    """One sample of an existing shard -> (text_tokens, image_sizes), validating it as training will read it."""
+def index_tar_sample(
+    members: dict[str, bytes], key: str, processor: SampleProcessor, max_image_pixels: int
+) -> tuple[tuple[int, int, int], list[list[int]]]:
+    """One sample of an existing shard -> ((text, prompt tokens, prompt images), image_sizes), validating it
+    as training will read it."""
     record = members_to_record(members, key)
     sizes = [inspect_image(data, max_image_pixels, key)[1] for data in record.images]
-    return processor.text_tokens(record.messages), sizes
+    return processor.token_counts(record.messages), sizes

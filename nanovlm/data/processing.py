@@ -251,6 +251,17 @@ class SampleProcessor:
         """Token count with each ``<image>`` counted as one token (the index's ``text_tokens``)."""
         return len(self.encode(messages, per_image=1)[0])
 
+    def token_counts(self, messages: list[dict]) -> tuple[int, int, int]:
+        """(text tokens, prompt tokens, prompt images) with each ``<image>`` counted as one token.
+
+        The prompt is everything before the first loss token. The index keeps it so that, with
+        ``overlength="truncate"``, the planner can tell in advance that a cut would leave no answer (the sample
+        is then skipped at planning time instead of leaving an empty pack behind at read time).
+        """
+        ids, labels = self.encode(messages, per_image=1)
+        first = next((i for i, label in enumerate(labels) if label != IGNORE_INDEX), len(labels))
+        return len(ids), first, ids[:first].count(self.image_token_id)
+
     def image(self, data: bytes, key: str = "") -> torch.Tensor:
         """Image bytes -> uint8 [3, image_size, image_size]."""
         return self.images([data], key)[0]

@@ -48,6 +48,7 @@ class SampleTable:
     nbytes: np.ndarray  # int64 [N] byte size of the sample's tar members
     length: np.ndarray  # int64 [N] total tokens (text + image tokens) for the run's model
     n_images: np.ndarray  # int64 [N]
+    prompt: np.ndarray  # int64 [N] tokens before the first loss token (image-expanded); -1 = not in the index
     keys: list[str]  # [N] sample keys
     shard_paths: list[str]  # [n_shards] absolute shard paths
     shard_dataset: np.ndarray  # int32 [n_shards] directory index of each shard
@@ -59,14 +60,21 @@ class SampleTable:
 
     def head(self, n: int) -> SampleTable:
         """The first ``n`` samples (stored order); shards past them stay listed but hold no sample."""
-        cut = {f: getattr(self, f)[:n] for f in ("dataset", "shard", "offset", "nbytes", "length", "n_images", "keys")}
+        cut = {
+            f: getattr(self, f)[:n]
+            for f in ("dataset", "shard", "offset", "nbytes", "length", "n_images", "prompt", "keys")
+        }
         return replace(self, **cut)
 
     @classmethod
     def from_shard_columns(cls, datasets: Sequence[tuple[str, Sequence[dict]]], image_token_count: int) -> SampleTable:
         """Build from ``[(dataset_name, [shard, ...]), ...]`` where each shard dict holds ``path``, ``keys``,
-        ``offsets``, ``nbytes``, ``text_tokens`` and ``n_images`` (the columns of index.json)."""
-        cols: dict[str, list] = {k: [] for k in ("dataset", "shard", "offset", "nbytes", "text", "img")}
+        ``offsets``, ``nbytes``, ``text_tokens`` and ``n_images`` (the columns of index.json), and optionally
+        ``prompt_tokens`` and ``prompt_images`` (absent in an index from an older version: prompt = -1).
+
+        The directory fingerprints leave the prompt columns out: they follow from the hashed columns and the
+        tokenizer, and re-indexing old data to add them must not refuse a resume that plans the same packs."""
+        cols: dict[str, list] = {k: [] for k in ("dataset", "shard", "offset", "nbytes", "text", "img", "prompt")}
         keys: list[str] = []
         paths: list[str] = []
         shard_ds: list[int] = []
@@ -86,6 +94,17 @@ class SampleTable:
                 cols["nbytes"].append(np.asarray(sh["nbytes"], np.int64))
                 cols["text"].append(np.asarray(sh["text_tokens"], np.int64))
                 cols["img"].append(np.asarray(sh["n_images"], np.int64))
+                if sh.get("prompt_tokens") is not None and sh.get("prompt_images") is not None and n:
+                    for col in ("prompt_tokens", "prompt_images"):
+                        if len(sh[col]) != n:
+                            raise PlanError(
+                                f"index of {name}: shard {sh['path']} has {n} keys but {len(sh[col])} {col}"
+                            )
+                    prompt = np.asarray(sh["prompt_tokens"], np.int64)
+                    prompt = prompt + np.asarray(sh["prompt_images"], np.int64) * (image_token_count - 1)
+                else:
+                    prompt = np.full(n, -1, np.int64)
+                cols["prompt"].append(prompt)
                 keys.extend(sh["keys"])
                 paths.append(str(sh["path"]))
                 shard_ds.append(d)
@@ -104,6 +123,7 @@ class SampleTable:
             nbytes=cat("nbytes", np.int64),
             length=text + img * (image_token_count - 1),
             n_images=img,
+            prompt=cat("prompt", np.int64),
             keys=keys,
             shard_paths=paths,
             shard_dataset=np.asarray(shard_ds, np.int32),
@@ -141,16 +161,25 @@ class PackSpec:
     batch_size: int = 8  # padded baselines only
     pad_cutoff: int = 0  # constrained only; 0 = max_tokens
 
-    def run(self, lengths: np.ndarray, n_images: np.ndarray) -> packing.PackResult:
+    def run(self, lengths: np.ndarray, n_images: np.ndarray, prompts: np.ndarray | None = None) -> packing.PackResult:
+        """Batch one slot's samples; ``prompts`` (tokens before each first loss token, -1 = unknown) lets
+        truncation skip a sample whose cut would leave no answer."""
         if self.mode == "packed":
             return packing.pack_online(
-                lengths, n_images, self.max_tokens, self.max_images, self.lookahead, self.max_carry, self.overlength
+                lengths,
+                n_images,
+                self.max_tokens,
+                self.max_images,
+                self.lookahead,
+                self.max_carry,
+                self.overlength,
+                prompts,
             )
         if self.mode == "pad_to_longest":
-            return packing.pad_to_longest(lengths, n_images, self.batch_size, self.max_tokens, self.overlength)
+            return packing.pad_to_longest(lengths, n_images, self.batch_size, self.max_tokens, self.overlength, prompts)
         if self.mode == "constrained":
             cutoff = min(self.pad_cutoff or self.max_tokens, self.max_tokens)
-            return packing.constrained(lengths, n_images, self.batch_size, cutoff, self.overlength)
+            return packing.constrained(lengths, n_images, self.batch_size, cutoff, self.overlength, prompts)
         raise PlanError(f"unknown packing mode {self.mode!r}")
 
 
@@ -296,6 +325,7 @@ def plan_order(
         )
     lengths = table.length[order]
     n_images = table.n_images[order]
+    prompts = table.prompt[order]
     bounds = balanced_chunks(np.minimum(lengths, spec.max_tokens), n_slots)
     per_slot: list[list[np.ndarray]] = []
     eff = lengths.copy()
@@ -303,7 +333,7 @@ def plan_order(
     truncated = 0
     for s in range(n_slots):
         lo, hi = int(bounds[s]), int(bounds[s + 1])
-        res = spec.run(lengths[lo:hi], n_images[lo:hi])
+        res = spec.run(lengths[lo:hi], n_images[lo:hi], prompts[lo:hi])
         eff[lo:hi] = res.lengths
         truncated += len(res.truncated)
         for reason, idx in res.skipped.items():
