@@ -292,6 +292,9 @@ class PeriodicCheckpoint(pl.Callback):
             path = self.save(trainer)
             self.preempted, self.by_signal = True, signalled
             trainer.should_stop = True
+            # Lightning validates when a run stops early; a stopped run is unfinished and a preempted one spends
+            # its grace time on it, so no validation now (every rank decides the same: the flag was all-reduced)
+            trainer.limit_val_batches = 0
             if trainer.is_global_zero:
                 why = "signal received" if signalled else "trainer.stop_at_step reached"
                 print(f"[checkpoint] {why}: saved {path} at step {step}; stopping (rerun to resume)", flush=True)
