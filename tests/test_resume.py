@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -113,37 +114,56 @@ def test_exact_resume_single_process_workers_accumulation(small_demo, single_ref
     assert_same_run(single_reference, tmp_path / "resumed", n_micro=12, ranks=1, final_step=6)
 
 
+def two_processes(strategy: str) -> list[str]:
+    return ["trainer.max_steps=5", "trainer.devices=2", f"trainer.strategy={strategy}", "checkpoint.every_n_steps=0"]
+
+
+@pytest.fixture(scope="module")
+def ddp_runs(small_demo, tmp_path_factory) -> tuple[Path, Path]:
+    """An uninterrupted 5-step DDP run, and one stopped at step 2 (its run dir is copied by each test)."""
+    full, stopped = tmp_path_factory.mktemp("ddp_full"), tmp_path_factory.mktemp("ddp_stopped")
+    run_train(small_demo, full, *two_processes("ddp"))
+    out = run_train(small_demo, stopped, "trainer.stop_at_step=2", *two_processes("ddp"))
+    assert "trainer.stop_at_step reached: saved" in out and "stopped as trainer.stop_at_step asks at step 2" in out
+    return full, stopped
+
+
 @pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_exact_resume_two_processes(small_demo, tmp_path, strategy):
-    extra = ["trainer.max_steps=5", "trainer.devices=2", f"trainer.strategy={strategy}", "checkpoint.every_n_steps=0"]
-    run_train(small_demo, tmp_path / "full", *extra)
-    interrupted_then_resumed(small_demo, tmp_path / "resumed", 2, *extra)
-    assert_same_run(tmp_path / "full", tmp_path / "resumed", n_micro=5, ranks=2, final_step=5)
+def test_exact_resume_two_processes(small_demo, tmp_path, strategy, request):
+    extra = two_processes(strategy)
+    if strategy == "ddp":  # the DDP runs are shared with the DDP -> FSDP test
+        full, stopped = request.getfixturevalue("ddp_runs")
+        shutil.copytree(stopped, tmp_path / "resumed")
+        out = run_train(small_demo, tmp_path / "resumed", *extra)
+        assert f"[resume] from {tmp_path / 'resumed' / 'checkpoints' / checkpoint_name(2)}" in out
+    else:
+        full = tmp_path / "full"
+        run_train(small_demo, full, *extra)
+        interrupted_then_resumed(small_demo, tmp_path / "resumed", 2, *extra)
+    assert_same_run(full, tmp_path / "resumed", n_micro=5, ranks=2, final_step=5)
     # the two ranks trained different samples
-    a0, a1 = steps(tmp_path / "full", 0), steps(tmp_path / "full", 1)
+    a0, a1 = steps(full, 0), steps(full, 1)
     assert not set(k for r in a0 for k in r[2]) & set(k for r in a1 for k in r[2])
 
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_a_ddp_checkpoint_resumes_under_fsdp_with_its_optimizer_state(small_demo, tmp_path):
+def test_a_ddp_checkpoint_resumes_under_fsdp_with_its_optimizer_state(small_demo, ddp_runs, tmp_path):
     """The optimizer state is saved keyed by parameter name: Lightning's FSDP2 loader re-keyed a position-keyed
     one by the model's parameter order, which is not the optimizer's (shape mismatch, the run could not resume)."""
-    ddp = ["trainer.max_steps=4", "trainer.devices=2", "trainer.strategy=ddp", "checkpoint.every_n_steps=0"]
-    run_train(small_demo, tmp_path / "full", *ddp)
-    run_train(small_demo, tmp_path / "switched", "trainer.stop_at_step=2", *ddp)
-    saved = torch.load(tmp_path / "switched" / "checkpoints" / checkpoint_name(2), weights_only=True)
+    full, stopped = ddp_runs
+    switched = shutil.copytree(stopped, tmp_path / "switched")
+    saved = torch.load(switched / "checkpoints" / checkpoint_name(2), weights_only=True)
     assert all(isinstance(k, str) for k in saved["optimizer_states"][0]["state"])
-    fsdp = [*ddp[:2], "trainer.strategy=fsdp", ddp[3]]
-    out = run_train(small_demo, tmp_path / "switched", *fsdp)
+    out = run_train(small_demo, switched, *two_processes("fsdp"))
     assert "[resume] from" in out
     for rank in (0, 1):
-        assert [r[2] for r in steps(tmp_path / "switched", rank)] == [r[2] for r in steps(tmp_path / "full", rank)]
+        assert [r[2] for r in steps(switched, rank)] == [r[2] for r in steps(full, rank)]
     # FSDP reduces gradients in another order than DDP (not bitwise), but with the optimizer state restored the
     # weights stay within float noise; a fresh AdamW state would move each weight by about lr in its first step.
-    got, want = final_weights(tmp_path / "switched", 4), final_weights(tmp_path / "full", 4)
+    got, want = final_weights(switched, 5), final_weights(full, 5)
     for k in want:
         torch.testing.assert_close(got[k], want[k], atol=1e-5, rtol=1e-4, msg=k)
 
