@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from nanovlm.config import load_config
-from nanovlm.data.datamodule import DataMismatchError, PackedMultimodalDataModule, SkipRateError
+from nanovlm.data.datamodule import DataMismatchError, DataStateError, PackedMultimodalDataModule, SkipRateError
 from nanovlm.data.format import members_to_record
 from nanovlm.data.index import load_index, read_sample
 from nanovlm.data.processing import SampleProcessor
@@ -373,3 +373,27 @@ def test_an_index_without_prompt_columns_still_trains_with_truncation(long_promp
     batches = take(dm, dm.current_plan().batches_per_rank())
     assert dm.telemetry()["skips_by_reason"] == {"overlength": 4}
     assert sum(b["meta"]["real_tokens"] == 0 for b in batches) == 4  # the old behaviour: one empty pack each
+
+
+def test_resuming_truncation_after_the_index_gained_prompt_columns_is_refused(long_prompts, tiny_tokenizer, tmp_path):
+    """Under truncation the plan changes when the prompt columns appear: a resume would land elsewhere."""
+    path = copy_dataset(long_prompts[0], tmp_path / "d")
+    new = (path / "index.json").read_text()
+    raw = json.loads(new)
+    for sh in raw["shards"]:
+        del sh["prompt_tokens"], sh["prompt_images"]
+    (path / "index.json").write_text(json.dumps(raw))
+    for overlength, refused in (("truncate", True), ("drop", False)):
+        cfg = make_cfg([path], max_tokens=96, overlength=overlength, max_skip_rate=0.5)
+        (path / "index.json").write_text(json.dumps(raw))  # the older index
+        dm = make_dm(cfg, tiny_tokenizer)
+        take(dm, 2)
+        state = dm.state_dict()
+        (path / "index.json").write_text(new)  # re-prepared: the same shards, now with prompt columns
+        dm = make_dm(cfg, tiny_tokenizer)
+        if refused:
+            with pytest.raises(DataStateError, match="truncate_plans_with_prompt_lengths"):
+                dm.load_state_dict(state)
+        else:
+            dm.load_state_dict(state)  # drop plans the same packs either way
+            assert dm.state_dict()["ranks"] == state["ranks"]

@@ -531,7 +531,7 @@ class PackedMultimodalDataModule(L.LightningDataModule):
     # ---- state -------------------------------------------------------------------------------------------------
 
     def _fingerprint(self) -> dict:
-        return {
+        out = {
             "seed": self.cfg.seed,
             "datasets": list(self.table.fingerprints),
             "weights": [float(w) for w in self.cfg.train_weights] or [1.0] * len(self.table.fingerprints),
@@ -539,6 +539,12 @@ class PackedMultimodalDataModule(L.LightningDataModule):
             "shuffle_buffer": self.cfg.shuffle_buffer,
             "image_token_count": self.image_token_count,
         }
+        # The dataset hashes leave out the index's prompt columns (re-indexing to add them changes no plan), except
+        # under truncation, whose plan skips prompt-only samples when the index has them. Present only then, so
+        # states saved without it still load everywhere else.
+        if self.spec.overlength == "truncate" and bool((self.table.prompt >= 0).any()):
+            out["truncate_plans_with_prompt_lengths"] = True
+        return out
 
     def _local_state(self) -> dict:
         return {
