@@ -1,7 +1,7 @@
 """Writing datasets: Records -> validated samples -> deterministic tar shards + index.json.
 
 Every dataset of the project (``prepare_data``, the demo data, the tests' synthetic data) is written here, so
-every index's token lengths come from ``SampleProcessor.text_tokens`` and every shard has the same layout:
+every index's token lengths come from ``SampleProcessor.token_counts`` and every shard has the same layout:
 
 * one WebDataset key per sample: ``0.jpg``, ``1.png``, ... (the real format of the bytes, sniffed) + ``json``;
 * deterministic tar metadata (mtime 0, uid/gid 0, fixed user/group names and mode), samples in input order,
