@@ -468,3 +468,81 @@ def test_image_sizes_are_upright_for_every_exif_orientation(orientation, upright
     buf = io.BytesIO()
     Image.new("RGB", (12, 8), (200, 10, 10)).save(buf, format="JPEG", exif=exif.tobytes())
     assert inspect_image(buf.getvalue())[1] == upright
+
+
+def test_a_rerun_that_dies_leaves_no_index_of_the_earlier_dataset(tmp_path, tiny_tokenizer):
+    """The old index.json next to new shards of the same names described a silent mix of old and new samples."""
+    out = tmp_path / "ds"
+    write_dataset(synthetic_records(9), out, tiny_tokenizer, 16, samples_per_shard=3)
+    load_index(out)
+
+    def edited():
+        for r in synthetic_records(9, seed=5):
+            yield r
+            if r.key == "s00004":
+                raise KeyboardInterrupt  # Ctrl-C after the first new shard is in place
+
+    with pytest.raises(KeyboardInterrupt):
+        write_dataset(edited(), out, tiny_tokenizer, 16, samples_per_shard=3)
+    with pytest.raises(FileNotFoundError, match="prepare the dataset"):
+        load_index(out)
+
+
+def test_lines_that_break_python_itself_are_rejected_not_fatal(tmp_path, tiny_tokenizer):
+    """Scraped data: a lone surrogate escape, a NUL in a path, a file name over 255 bytes, deep nesting, a
+    symlink loop: each is a counted rejection, and the good lines are written."""
+    _img(tmp_path / "ok.png")
+    (tmp_path / "loop").symlink_to(tmp_path / "loop2")
+    (tmp_path / "loop2").symlink_to(tmp_path / "loop")
+    good = {"image": "ok.png", "caption": "a red square"}
+    lines = [
+        json.dumps(good),
+        '{"image": "ok.png", "caption": "broken emoji \\ud83d"}',
+        json.dumps({"image": "a\x00b.png", "caption": "x"}),
+        json.dumps({"image": "n" * 300 + ".png", "caption": "x"}),
+        "[" * 100_000 + "]" * 100_000,
+        json.dumps({"image": "loop/x.png", "caption": "x"}),
+        # native lines name their images "image" too: it used to be kept as an extra field, the image dropped
+        json.dumps({"image": "ok.png", "messages": [{"role": "user", "content": "<image>Colour?"},
+                                                    {"role": "assistant", "content": "red"}]}),
+    ]  # fmt: skip
+    src = tmp_path / "scraped.jsonl"
+    src.write_text("\n".join(lines) + "\n")
+    assert _prepare(tiny_tokenizer, "--input", str(src), "--output", str(tmp_path / "o")) == 0
+    rejected = [json.loads(line) for line in (tmp_path / "o" / "rejected.jsonl").read_text().splitlines()]
+    reasons = [r["reason"] for r in rejected]
+    assert reasons == ["bad_utf8", "bad_image_ref", "bad_image_ref", "bad_json", "bad_image_ref"]
+    assert all(len(r["detail"]) < 600 for r in rejected)
+    assert load_index(tmp_path / "o").shards[0].n_images == [1, 1]
+
+
+def test_gzip_and_pipe_inputs_and_a_json_array_is_named(tmp_path, tiny_tokenizer):
+    import gzip
+    import os
+    import threading
+
+    _img(tmp_path / "ok.png")
+    text = "".join(json.dumps({"image": "ok.png", "caption": f"square {i}"}) + "\n" for i in range(5))
+    (tmp_path / "caps.jsonl").write_text(text)
+    with gzip.open(tmp_path / "caps.jsonl.gz", "wt") as f:
+        f.write(text)
+    args = ("--image-root", str(tmp_path), "--samples-per-shard", "2")
+    assert (
+        _prepare(tiny_tokenizer, "--input", str(tmp_path / "caps.jsonl"), "--output", str(tmp_path / "a"), *args) == 0
+    )
+    assert (
+        _prepare(tiny_tokenizer, "--input", str(tmp_path / "caps.jsonl.gz"), "--output", str(tmp_path / "b"), *args)
+        == 0
+    )
+    fifo = tmp_path / "caps.pipe"  # a pipe can be read once: it used to be read to the end to count lines
+    os.mkfifo(fifo)
+    feeder = threading.Thread(target=lambda: fifo.write_text(text))
+    feeder.start()
+    assert _prepare(tiny_tokenizer, "--input", str(fifo), "--output", str(tmp_path / "c"), *args) == 0
+    feeder.join(timeout=30)
+    want = [(f.name, f.read_bytes()) for f in sorted((tmp_path / "a").glob("shard-*.tar"))]
+    for out in ("b", "c"):
+        assert [(f.name, f.read_bytes()) for f in sorted((tmp_path / out).glob("shard-*.tar"))] == want
+    (tmp_path / "llava.json").write_text("\n[\n  " + json.dumps({"image": "ok.png", "caption": "x"}) + "\n]\n")
+    with pytest.raises(SystemExit, match="holds a JSON array, not JSON Lines"):
+        _prepare(tiny_tokenizer, "--input", str(tmp_path / "llava.json"), "--output", str(tmp_path / "d"))

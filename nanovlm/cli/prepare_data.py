@@ -14,6 +14,7 @@ Output is deterministic: the same input and tokenizer give byte-identical shards
 from __future__ import annotations
 
 import argparse
+import gzip
 import itertools
 import json
 import multiprocessing as mp
@@ -46,7 +47,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--input", nargs="+", required=True, help="JSONL file(s), or one directory of .tar shards")
+    p.add_argument(
+        "--input", nargs="+", required=True, help="JSONL file(s) (.jsonl.gz too), or one directory of .tar shards"
+    )
     p.add_argument("--output", required=True, help="output dataset directory")
     p.add_argument("--image-root", default=None, help="folder image paths are relative to (default: the JSONL's)")
     p.add_argument("--samples-per-shard", type=int, default=1000, help="samples per tar shard (default: 1000)")
@@ -165,7 +168,7 @@ class Report:
 def _key_stems(files: list[Path]) -> list[str]:
     """A key prefix per input file: its sanitized stem, made unique when two files share a stem (a suffix that
     is itself another file's stem is skipped: a/x, b/x and c/x_1 give x_0, x_2 and x_1)."""
-    stems = [re.sub(r"[^A-Za-z0-9_-]", "_", f.stem) or "input" for f in files]
+    stems = [re.sub(r"[^A-Za-z0-9_-]", "_", Path(f.name.removesuffix(".gz")).stem) or "input" for f in files]
     counts = Counter(stems)
     taken = {s for s in stems if counts[s] == 1}
     out = []
@@ -180,18 +183,40 @@ def _key_stems(files: list[Path]) -> list[str]:
     return out
 
 
-def _count_lines(files: list[Path]) -> int:
+def _open_input(path: Path):
+    """A JSONL input for reading bytes; ``.gz`` files are decompressed on the fly."""
+    return gzip.open(path, "rb") if path.name.endswith(".gz") else open(path, "rb")
+
+
+def _count_lines(files: list[Path]) -> int | None:
+    """Samples to expect, for the progress bar; None when an input is a pipe (it can be read only once)."""
+    if not all(f.is_file() for f in files):
+        return None
     n = 0
     for f in files:
-        with open(f, "rb") as fh:
+        with _open_input(f) as fh:
             n += sum(1 for line in fh if line.strip())
     return n
+
+
+def _check_not_json_array(path: Path) -> None:
+    """A JSON array (LLaVA's released .json files) is one document, not lines: every line would be a bad sample."""
+    if not path.is_file():
+        return
+    with _open_input(path) as fh:
+        head = fh.read(4096).lstrip(b"\xef\xbb\xbf \t\r\n")
+    if head.startswith(b"["):
+        raise SystemExit(
+            f"error: {path} holds a JSON array, not JSON Lines (one object per line). Convert it first: python -c "
+            f'"import json, sys; [print(json.dumps(o, ensure_ascii=False)) for o in json.load(open(sys.argv[1]))]" '
+            f"{path} > {path.with_suffix('.jsonl').name}"
+        )
 
 
 def _jsonl_tasks(files: list[Path], image_root: Path | None) -> Iterator[tuple]:
     for path, stem in zip(files, _key_stems(files)):
         root = str(image_root if image_root is not None else path.parent)
-        with open(path, "rb") as fh:
+        with _open_input(path) as fh:
             for lineno, line in enumerate(fh, 1):
                 if line.strip():  # blank lines are not samples
                     yield (f"{stem}-{lineno:08d}", f"{path.name}:{lineno}", line, root)
@@ -317,8 +342,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise SystemExit("error: give either JSONL files or one directory of WebDataset shards, not both")
     if not dirs:
         for p in inputs:
-            if p.suffix in (".tar", ".tgz", ".gz"):
+            if p.name.endswith((".tar", ".tgz", ".tar.gz")):
                 raise SystemExit(f"error: {p} is an archive; pass the directory that holds the shards (--input DIR)")
+            _check_not_json_array(p)
     if args.image_root and not Path(args.image_root).is_dir():
         raise SystemExit(f"error: --image-root {args.image_root} is not a directory")
 

@@ -103,7 +103,12 @@ def _as_list(x: Any) -> list:
     return list(x) if isinstance(x, (list, tuple)) else [x]
 
 
-def _image_refs(refs: list, key: str) -> list[str]:
+def _image_refs(obj: dict, key: str) -> list[str]:
+    """The image references of a sample: its ``image`` or ``images`` field (a string or a list), never both."""
+    one, many = obj.get("image"), obj.get("images")
+    if one is not None and many is not None:
+        raise SampleError("bad_image_ref", key, "both 'image' and 'images' are set: use one")
+    refs = _as_list(one if one is not None else many)
     if not all(isinstance(r, str) and r for r in refs):
         raise SampleError("bad_image_ref", key, f"image references must be non-empty strings, got {refs!r}"[:200])
     return refs
@@ -137,16 +142,16 @@ def parse_json_sample(obj: Any, key: str = "") -> tuple[list[dict], list[str], d
     """
     if not isinstance(obj, dict):
         raise SampleError("unknown_format", key, "a sample must be a JSON object")
-    if "messages" in obj:  # native
-        refs = _image_refs(_as_list(obj.get("images")), key)
+    if "messages" in obj:  # native ("image" as in the other formats: left in extra, it silently lost the image)
+        refs = _image_refs(obj, key)
         messages = validate_messages(obj["messages"], len(refs), key)
-        extra = {k: v for k, v in obj.items() if k not in ("messages", "images")}
+        extra = {k: v for k, v in obj.items() if k not in ("messages", "image", "images")}
     elif "conversations" in obj:  # LLaVA
-        refs = _image_refs(_as_list(obj.get("image", obj.get("images"))), key)
+        refs = _image_refs(obj, key)
         messages = validate_messages(_llava_messages(obj["conversations"], len(refs), key), len(refs), key)
         extra = {k: v for k, v in obj.items() if k not in ("conversations", "image", "images")}
     elif "caption" in obj:  # caption
-        refs = _image_refs(_as_list(obj.get("image", obj.get("images"))), key)
+        refs = _image_refs(obj, key)
         if len(refs) != 1:
             raise SampleError("image_count_mismatch", key, f"a caption sample needs one image, got {len(refs)}")
         if not isinstance(obj["caption"], str):
@@ -158,6 +163,26 @@ def parse_json_sample(obj: Any, key: str = "") -> tuple[list[dict], list[str], d
     return messages, refs, extra
 
 
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+
+
+def _json_object(text: str, key: str, what: str = "") -> Any:
+    """``json.loads`` whose failures are SampleErrors: ``bad_json``, or ``bad_utf8`` for a lone surrogate escape
+    (``"\\ud83d"`` without its pair, a broken emoji in scraped text), which no UTF-8 writer or tokenizer takes."""
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise SampleError("bad_json", key, f"{what}{e}") from None
+    except RecursionError:
+        raise SampleError("bad_json", key, f"{what}nested too deeply to parse") from None
+    if _SURROGATE_ESCAPE.search(text):
+        try:
+            json.dumps(obj, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise SampleError("bad_utf8", key, f"{what}lone surrogate escape in the text ({e.reason})") from None
+    return obj
+
+
 def parse_jsonl_line(line: str | bytes, key: str = "") -> tuple[list[dict], list[str], dict]:
     """One JSONL line -> (messages, image references, extra). ``bad_json`` / ``bad_utf8`` for broken lines."""
     if isinstance(line, bytes):
@@ -165,10 +190,7 @@ def parse_jsonl_line(line: str | bytes, key: str = "") -> tuple[list[dict], list
             line = line.decode("utf-8")
         except UnicodeDecodeError as e:
             raise SampleError("bad_utf8", key, str(e)) from None
-    try:
-        obj = json.loads(line.removeprefix("\ufeff"))  # a byte-order mark (files saved by some editors)
-    except json.JSONDecodeError as e:
-        raise SampleError("bad_json", key, str(e)) from None
+    obj = _json_object(line.removeprefix("\ufeff"), key)  # a byte-order mark (files saved by some editors)
     return parse_json_sample(obj, key)
 
 
@@ -206,11 +228,10 @@ def members_to_record(members: dict[str, bytes], key: str) -> Record:
     obj = None
     if "json" in members:
         try:
-            obj = json.loads(members["json"].decode("utf-8"))
+            text = members["json"].decode("utf-8")
         except UnicodeDecodeError as e:
             raise SampleError("bad_utf8", key, f"json member: {e}") from None
-        except json.JSONDecodeError as e:
-            raise SampleError("bad_json", key, f"json member: {e}") from None
+        obj = _json_object(text, key, "json member: ")
         if not isinstance(obj, dict):
             raise SampleError("bad_json", key, "json member is not an object")
     if obj is not None and ("messages" in obj or "conversations" in obj):

@@ -27,7 +27,7 @@ import webdataset as wds
 from PIL import Image
 
 from nanovlm.data.format import Record, SampleError, check_key, members_to_record, record_to_json, validate_messages
-from nanovlm.data.index import DatasetIndex, ShardIndex, scan_tar
+from nanovlm.data.index import INDEX_FILE, DatasetIndex, ShardIndex, scan_tar
 from nanovlm.data.processing import SampleProcessor, describe_error, open_image, to_rgb
 from nanovlm.data.tokenizer import tokenizer_fingerprint
 
@@ -151,6 +151,11 @@ class ShardWriter:
         keys = [s.key for s in self._pending]
         if [s.key for s in scanned] != keys:
             raise RuntimeError(f"{name}: written keys do not read back in order (a key with a dot?)")
+        if not self.shards:
+            # An earlier dataset's index must not survive a rerun that dies half-way: it would describe a mix of
+            # new and old shards (same names) and training would read it without a word. Without an index the
+            # directory is refused until a run completes.
+            (self.out_dir / INDEX_FILE).unlink(missing_ok=True)
         os.replace(self._tmp, self.out_dir / name)
         self.shards.append(
             ShardIndex(
@@ -233,18 +238,30 @@ def resolve_image_path(ref: str, image_root: Path, allow_absolute: bool = False,
     Refuses (reason ``unsafe_path``) references that escape the root (``../``, symlinks out) and absolute
     paths unless ``allow_absolute``; ``missing_image`` when the file does not exist.
     """
-    ref_path = Path(ref)
-    if ref_path.is_absolute():
-        if not allow_absolute:
-            raise SampleError("unsafe_path", key, f"absolute image path {ref!r} (use --allow-absolute-paths)")
-        path = ref_path
-    else:
-        root = image_root.resolve()
-        path = (root / ref_path).resolve()
-        if not path.is_relative_to(root):
-            raise SampleError("unsafe_path", key, f"image path {ref!r} escapes the image root {image_root}")
-    if not path.is_file():
-        raise SampleError("missing_image", key, f"{ref} (looked for {path})")
+    shown = ref if len(ref) <= 200 else f"{ref[:200]}... ({len(ref)} characters)"
+    try:
+        ref_path = Path(ref)
+        if ref_path.is_absolute():
+            if not allow_absolute:
+                raise SampleError("unsafe_path", key, f"absolute image path {shown!r} (use --allow-absolute-paths)")
+            path = ref_path
+        else:
+            root = image_root.resolve()
+            path = (root / ref_path).resolve()
+            if not path.is_relative_to(root):
+                raise SampleError(
+                    "unsafe_path",
+                    key,
+                    f"image path {shown!r} escapes the image root {image_root} (a symlink pointing out of it counts: "
+                    "give --image-root the folder the files really are in)",
+                )
+        if not path.is_file():
+            raise SampleError("missing_image", key, f"{shown} (looked for {path})")
+    except (OSError, ValueError, RuntimeError) as e:  # a name too long, a NUL byte, a lone surrogate, a symlink loop
+        why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)[:200]  # OSError's str repeats the path
+        raise SampleError(
+            "bad_image_ref", key, f"{shown!r} is not a usable file path: {type(e).__name__}: {why}"
+        ) from None
     return path
 
 
