@@ -31,3 +31,36 @@ def test_evaluation_skips_and_counts_unusable_samples(tmp_path, tiny_tokenizer):
     assert result["skipped"] == {"unreadable_image": 1, "image_too_large": 1}
     assert result["rows"][1]["question"] == ""  # a conversation with no user turn has no question to show
     assert "skipped 2 unusable samples (image_too_large=1, unreadable_image=1)" in format_report(result)
+
+
+def test_a_perfect_model_scores_every_long_answer_and_prompts_fill_no_context(tmp_path, tiny_tokenizer, monkeypatch):
+    """An oracle that generates exactly the expected answer scores 100%, however long the answer (a fixed budget of
+    8 new tokens cut every caption); a prompt that fills the model's context is a counted skip, not an error."""
+    import torch
+
+    from nanovlm.data.processing import SampleProcessor
+    from nanovlm.data.tokenizer import IM_END
+
+    long_answer = "a small red square sits in the middle of a large blue field next to a green circle"
+    user = {"role": "user", "content": "<image>\nDescribe it."}
+    records = [
+        Record("long", [{"role": "user", "content": "<image>\nDescribe it in detail."}, {"role": "assistant", "content": long_answer}], [faults.png(seed=0)], {"answer": long_answer}),
+        Record("short", [user, {"role": "assistant", "content": "red"}], [faults.png(seed=1)], {"answer": "red"}),
+        Record("huge", [{"role": "user", "content": "word " * 3000}, {"role": "assistant", "content": "x"}], [], {"answer": "x"}),
+    ]  # fmt: skip
+    write_dataset(records, tmp_path / "val", tiny_tokenizer, 16, samples_per_shard=8)
+    cfg = make_cfg([tmp_path / "val"], [tmp_path / "val"])
+    model = build_model(cfg.model, tiny_tokenizer)
+    eos = tiny_tokenizer.convert_tokens_to_ids(IM_END)
+    answers = {
+        len(SampleProcessor(tiny_tokenizer, 32, 16).prompt_ids(r.messages[:-1])): r.extra["answer"] for r in records
+    }
+
+    def oracle(input_ids, pixel_values=None, max_new_tokens=32, eos_token_id=None, **kw):
+        ids = tiny_tokenizer.encode(answers[input_ids.shape[1]], add_special_tokens=False) + [eos]
+        return torch.tensor([ids[:max_new_tokens]])
+
+    monkeypatch.setattr(model, "generate", oracle)
+    result = evaluate_answers(model, tiny_tokenizer, cfg, [str(tmp_path / "val")], limit=10)
+    assert [(r["key"], r["correct"]) for r in result["rows"]] == [("long", True), ("short", True)]
+    assert result["accuracy"] == 1.0 and result["skipped"] == {"overlength": 1}

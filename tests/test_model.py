@@ -303,6 +303,8 @@ def test_generate_with_kv_cache_equals_full_recompute():
     # top_p this small keeps only the most likely token: sampling equals greedy
     nucleus = model.generate(ids, pixels, max_new_tokens=6, temperature=1.0, top_p=1e-6)
     assert nucleus[0].tolist() == want
+    # ... and so does top_p 0 (it dropped every token: "invalid multinomial distribution")
+    assert model.generate(ids, pixels, max_new_tokens=6, temperature=1.0, top_p=0.0)[0].tolist() == want
     # sampling is reproducible with a generator
     a = model.generate(ids, pixels, 6, temperature=1.0, generator=torch.Generator().manual_seed(3))
     b = model.generate(ids, pixels, 6, temperature=1.0, generator=torch.Generator().manual_seed(3))
@@ -442,3 +444,23 @@ def test_left_padded_batch_equals_alone():
         for i, s in enumerate(items):
             n = len(s["input_ids"])
             torch.testing.assert_close(out[i, width - n :], model(alone(s))["logits"][0], atol=2e-5, rtol=1e-5)
+
+
+def test_generate_refuses_arguments_it_cannot_honour():
+    """Negative budgets, nan temperatures, empty prompts and prompts past the trained context were a KV-cache
+    error, a multinomial error, an IndexError, or (context) silently accepted."""
+    model = make_model().eval()
+    s = samples()[2]
+    ids, pixels = s["input_ids"][None], s["pixel_values"]
+    context = model.cfg.language.max_position_embeddings
+    for kwargs, match in [
+        ({"max_new_tokens": -1}, "max_new_tokens >= 0"),
+        ({"temperature": float("nan")}, "temperature >= 0"),
+        ({"top_p": -0.5, "temperature": 1.0}, "top_p >= 0"),
+        ({"max_new_tokens": context - ids.shape[1] + 1}, f"exceeds the model's max_position_embeddings={context}"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            model.generate(ids, pixels, **kwargs)
+    with pytest.raises(ValueError, match="L > 0"):
+        model.generate(ids[:, :0])
+    assert model.generate(ids, pixels, max_new_tokens=context - ids.shape[1]).shape[1] >= 1  # exactly fits

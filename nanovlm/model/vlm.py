@@ -230,10 +230,23 @@ class NanoVLM(nn.Module):
         set of tokens whose probability reaches top_p. Returns only the new tokens, [1, L_new] with
         L_new <= max_new_tokens; decoding stops after ``eos_token_id`` (which is included).
         """
-        if input_ids.dim() != 2 or input_ids.shape[0] != 1:
-            raise ValueError(f"generate decodes one sample: input_ids must be [1, L], got {tuple(input_ids.shape)}")
+        if input_ids.dim() != 2 or input_ids.shape[0] != 1 or input_ids.shape[1] == 0:
+            raise ValueError(
+                f"generate decodes one sample: input_ids must be [1, L] with L > 0, got {tuple(input_ids.shape)}"
+            )
+        if max_new_tokens < 0 or not temperature >= 0 or not top_p >= 0:  # `not >=` also refuses nan
+            raise ValueError(
+                f"need max_new_tokens >= 0, temperature >= 0 and top_p >= 0; got {max_new_tokens}, {temperature}, "
+                f"{top_p}"
+            )
         device = input_ids.device
         prompt_len = input_ids.shape[1]
+        context = self.cfg.language.max_position_embeddings
+        if prompt_len + max_new_tokens > context:
+            raise ValueError(
+                f"a {prompt_len}-token prompt + max_new_tokens={max_new_tokens} exceeds the model's "
+                f"max_position_embeddings={context} (positions past it were never trained)"
+            )
         embeds = self.embed(input_ids, pixel_values)
         cache = KVCache(self.cfg.language, prompt_len + max_new_tokens, device, embeds.dtype)
         positions = torch.arange(prompt_len, device=device)[None]
@@ -260,6 +273,7 @@ class NanoVLM(nn.Module):
             sorted_probs, order = probs.sort(dim=-1, descending=True)
             # drop a token when the tokens ranked above it already reach top_p (the top token always stays)
             drop = sorted_probs.cumsum(-1) - sorted_probs >= top_p
+            drop[..., 0] = False  # top_p = 0: the top token alone
             sorted_probs = sorted_probs.masked_fill(drop, 0.0)
             probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
         return torch.multinomial(probs, 1, generator=generator)[:, 0]

@@ -57,6 +57,9 @@ def iter_answered_records(directories: list[str], limit: int, skips: Counter | N
         reader.close()
 
 
+ANSWER_MARGIN = 8  # tokens generated beyond the expected answer's length (room for its end token and some slack)
+
+
 def _skip(skips: Counter | None, err: Exception, where: str) -> None:
     log.warning("[eval] skipped sample %s: %s", where, err)
     if skips is not None:
@@ -71,9 +74,18 @@ def _question(messages: list[dict]) -> str:
 
 @torch.no_grad()
 def evaluate_answers(
-    model: torch.nn.Module, tokenizer: Any, cfg: Config, directories: list[str], limit: int, max_new_tokens: int = 8
+    model: torch.nn.Module,
+    tokenizer: Any,
+    cfg: Config,
+    directories: list[str],
+    limit: int,
+    max_new_tokens: int | None = None,
 ) -> dict[str, Any]:
     """Greedy-decode the final answer of up to ``limit`` held-out samples. Returns accuracy, chance and rows.
+
+    ``max_new_tokens`` None: per sample, the expected answer's token count + ANSWER_MARGIN (an exact match needs
+    no more; a fixed small budget could never match a long answer such as a caption). Always capped so prompt +
+    answer fit the model's context; a prompt that leaves no room is skipped as ``overlength``.
 
     Samples that cannot be read or processed (e.g. an unreadable image) are skipped, logged and counted in
     ``skipped`` (by reason), as the validation loader skips them.
@@ -103,9 +115,16 @@ def evaluate_answers(
             except SampleError as e:
                 _skip(skipped, e, record.key)
                 continue
-            new = model.generate(prompt, pixels, max_new_tokens=max_new_tokens, eos_token_id=eos)[0].tolist()
-            text = tokenizer.decode([t for t in new if t != eos], skip_special_tokens=True)
             expected = str(record.extra["answer"])
+            budget = max_new_tokens
+            if budget is None:
+                budget = len(tokenizer.encode(expected, add_special_tokens=False)) + ANSWER_MARGIN
+            budget = min(budget, cfg.model.language.max_position_embeddings - prompt.shape[1])
+            if budget <= 0:
+                _skip(skipped, SampleError("overlength", record.key, "the prompt fills the model's context"), record.key)
+                continue
+            new = model.generate(prompt, pixels, max_new_tokens=budget, eos_token_id=eos)[0].tolist()
+            text = tokenizer.decode([t for t in new if t != eos], skip_special_tokens=True)
             rows.append(
                 {
                     "key": record.key,
