@@ -121,7 +121,9 @@ def evaluate_answers(
                 budget = len(tokenizer.encode(expected, add_special_tokens=False)) + ANSWER_MARGIN
             budget = min(budget, cfg.model.language.max_position_embeddings - prompt.shape[1])
             if budget <= 0:
-                _skip(skipped, SampleError("overlength", record.key, "the prompt fills the model's context"), record.key)
+                _skip(
+                    skipped, SampleError("overlength", record.key, "the prompt fills the model's context"), record.key
+                )
                 continue
             new = model.generate(prompt, pixels, max_new_tokens=budget, eos_token_id=eos)[0].tolist()
             text = tokenizer.decode([t for t in new if t != eos], skip_special_tokens=True)
