@@ -95,8 +95,16 @@ def test_inspect_batch_cli(tmp_path, make_dataset, tiny_tokenizer, capsys):
     make_dataset(tmp_path / "val", 8, samples_per_shard=8, image_token_count=16, key_prefix="v")
     rc = main([str(tmp_path / "val"), "--val", "--batches", "1", "--samples", "2",
                f"data.tokenizer={tiny_tokenizer.name_or_path}", "data.max_tokens=256"])  # fmt: skip
-    decoded = [line.split()[1] for line in capsys.readouterr().out.splitlines() if line.startswith("  - ")]
+    printed = capsys.readouterr().out
+    decoded = [line.split()[1] for line in printed.splitlines() if line.startswith("  - ")]
     assert rc == 0 and decoded and all(key.startswith("v0") for key in decoded), decoded
+    # ... and describes that set, not the training plan of the same directory
+    assert printed.startswith(f"validation: 8 samples from {tmp_path / 'val'}") and "epoch plan" not in printed
+    # no directory: the first key=value is an override, not the dataset (it was taken as a directory)
+    from nanovlm.cli.inspect_batch import parse_args
+
+    args = parse_args(["data.max_tokens=512", "--val", "data.val_samples=5"])
+    assert args.dataset is None and args.overrides == ["data.max_tokens=512", "data.val_samples=5"]
     # data that cannot be planned is a one-line error, not a traceback (every sample longer than the budget)
     with pytest.raises(SystemExit, match="cannot be packed.*raise data.max_tokens"):
         main([str(tmp_path / "ds"), f"data.tokenizer={tiny_tokenizer.name_or_path}", "data.max_tokens=16"])

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Sequence
+from pathlib import Path
 
 IGNORE_INDEX = -100
 
@@ -29,7 +30,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--samples", type=int, default=2, help="samples to decode per batch (default: 2)")
     p.add_argument("--val", action="store_true", help="show the validation loader instead")
     p.add_argument("overrides", nargs="*", help="config overrides, e.g. data.max_tokens=2048")
-    return p.parse_intermixed_args(argv)
+    args = p.parse_intermixed_args(argv)
+    if args.dataset is not None and "=" in args.dataset and not Path(args.dataset).is_dir():
+        # no directory given: argparse handed the first key=value override to the optional positional
+        args.overrides.insert(0, args.dataset)
+        args.dataset = None
+    return args
 
 
 def decode_marked(tokenizer, ids: list[int], labels: list[int], image_token_id: int) -> str:
@@ -145,11 +151,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     dm.setup("fit")
     tok = dm.tokenizer
     image_token_id = tok.convert_tokens_to_ids("<image>")
-    try:
-        summary = dm.summary()
-    except PlanError as e:
-        raise SystemExit(f"error: {e}") from None
-    print("\n".join(describe_plan(summary, cfg.data.max_tokens)))
+    if args.val:  # the training plan would describe other data
+        print(
+            f"validation: {len(dm.val_table)} samples from {', '.join(cfg.data.val)}"
+            + (f" (data.val_samples={cfg.data.val_samples})" if cfg.data.val_samples > 0 else "")
+            + f", in stored order, each once; packs of {cfg.data.max_tokens} slots"
+        )
+    else:
+        try:
+            summary = dm.summary()
+        except PlanError as e:
+            raise SystemExit(f"error: {e}") from None
+        print("\n".join(describe_plan(summary, cfg.data.max_tokens)))
     batches = []
     for batch in dm.val_dataloader() if args.val else dm.train_dataloader():
         print()
