@@ -124,3 +124,19 @@ def test_analyze_cli_errors(tmp_path):
     write_index(tmp_path / "d", [1], [0])
     with pytest.raises(SystemExit, match="must be positive"):
         main([str(tmp_path / "d"), "--out", str(tmp_path / "r"), "--max-tokens", "0"])
+    with pytest.raises(SystemExit, match="must be positive"):
+        main([str(tmp_path / "d"), "--out", str(tmp_path / "r"), "--max-budget", "-5"])
+    (tmp_path / "file").write_text("")
+    with pytest.raises(SystemExit, match="is a file"):
+        main([str(tmp_path / "d"), "--out", str(tmp_path / "file")])
+
+
+def test_recommended_budget_fits_the_models_context(tmp_path, capsys):
+    """tiny_cpu.yaml's decoder has 2048 positions: recommending 5120 gave a budget train.py then refused."""
+    from nanovlm.cli.analyze_data import main
+
+    write_index(tmp_path / "d", [4000] * 50 + [600] * 50, [0] * 100)
+    assert main([str(tmp_path / "d"), "--out", str(tmp_path / "r"), "--max-tokens", "4096"]) == 0
+    printed = capsys.readouterr().out
+    assert "recommended: data.max_tokens=2048 data.overlength=truncate" in printed
+    assert "max_position_embeddings=2048" in printed and "training refuses it" in printed

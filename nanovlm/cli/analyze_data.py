@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from collections.abc import Sequence
 
 
@@ -61,17 +62,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     itc = args.image_token_count if args.image_token_count is not None else image_token_count(cfg.model)
     budget = args.max_tokens if args.max_tokens is not None else cfg.data.max_tokens
     batch = args.batch_size if args.batch_size is not None else cfg.data.batch_size
-    if budget <= 0 or batch <= 0 or itc <= 0:
-        raise SystemExit("error: --max-tokens, --batch-size and --image-token-count must be positive")
+    if budget <= 0 or batch <= 0 or itc <= 0 or args.max_budget <= 0:
+        raise SystemExit("error: --max-tokens, --batch-size, --image-token-count and --max-budget must be positive")
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+        raise SystemExit(f"error: --out {args.out} is a file; give a directory for the report")
+    context = cfg.model.language.max_position_embeddings  # train.py refuses a data.max_tokens above it
+    cap = min(args.max_budget, context)
+    if budget > context:
+        print(
+            f"note: max_tokens={budget} exceeds model.language.max_position_embeddings={context}: training refuses it"
+        )
     differing = {
         d: idx.image_token_count for d, idx in zip(args.dirs, indexes) if idx.image_token_count not in (0, itc)
     }
     for d, n in differing.items():  # lengths are recomputed with itc; say so when the data was made for another count
         print(f"note: {d} was prepared for {n} tokens per image; this analysis uses {itc} (--image-token-count)")
     stats = collect(indexes, itc)
-    res = write_report(
-        stats, args.out, budget, batch, cfg.data.max_images, cfg.data.lookahead, args.seed, args.max_budget
-    )
+    res = write_report(stats, args.out, budget, batch, cfg.data.max_images, cfg.data.lookahead, args.seed, cap)
     w = res["waste"]
     print(
         f"{res['num_samples']} samples; total tokens p50={res['total_tokens']['p50']:.0f} "
@@ -84,6 +91,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     print(
         f"recommended: data.max_tokens={res['recommended_max_tokens']} data.overlength={res['recommended_overlength']}"
+        + (
+            f" (capped at the model's context, model.language.max_position_embeddings={context})"
+            if res["recommended_max_tokens"] == cap < args.max_budget
+            else ""
+        )
     )
     print(f"report: {args.out}/summary.md and {', '.join(res['plots'])}")
     res["index_image_token_counts"] = {d: idx.image_token_count for d, idx in zip(args.dirs, indexes)}

@@ -181,7 +181,7 @@ def recommend(
         f"median sample is {med:.0f} tokens: {min_samples_per_pack} median samples need {min_samples_per_pack * med:.0f}; "
         "packs of many small samples fill to ~99% or more with the online packer",
         f"rounded up to {wanted}"
-        + (f", capped at {cap} (memory)" if wanted > cap else "")
+        + (f", capped at {cap} (--max-budget for memory, or the model's context)" if wanted > cap else "")
         + f": {over} {'sample is' if over == 1 else 'samples are'} longer ({frac:.3%}; max {p['max']:.0f})",
     ]
     if over == 0:
