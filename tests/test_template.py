@@ -83,3 +83,31 @@ def test_new_project_refuses_names_that_make_no_valid_package(tmp_path, name):
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and f"error: project name {name!r}" in proc.stderr, proc.stderr
     assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["tests"], "which is taken"),  # cookiecutter failed half-way: tests/tests exists
+        (["json"], "which is taken"),  # shadowed the standard library in the project's own scripts
+        (["nanovlm"], "which is taken"),  # `pip install -e .` would replace the library
+        (["shapes_"], "would make the folder 'shapes-'"),  # not a valid distribution name
+        (["ok", "--description", 'A "quoted" VLM'], "would break pyproject.toml"),
+        (["ok", "--author", "back\\slash"], "would break pyproject.toml"),
+    ],
+)
+def test_new_project_refuses_names_and_texts_that_make_a_broken_project(tmp_path, argv, message, capsys):
+    from nanovlm.cli.new_project import main
+
+    assert main([*argv, "-o", str(tmp_path)]) == 2
+    assert message in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())
+
+
+def test_new_project_without_cookiecutter_says_how_to_install_it(tmp_path, monkeypatch, capsys):
+    from nanovlm.cli.new_project import main
+
+    monkeypatch.setitem(sys.modules, "cookiecutter", None)
+    monkeypatch.setitem(sys.modules, "cookiecutter.main", None)
+    assert main(["Shapes QA", "-o", str(tmp_path)]) == 2
+    assert "pip install cookiecutter" in capsys.readouterr().err

@@ -12,15 +12,35 @@ from pathlib import Path
 TEMPLATE = Path(__file__).resolve().parent.parent.parent / "template"
 
 
+# Package names a project must not take: folders of the rendered project itself, and what it imports (a package
+# named ``json`` shadows the standard library; one named ``nanovlm`` or ``torch`` would replace the real one on
+# ``pip install -e .``).
+_TAKEN = {"tests", "scripts", "configs", "template", "nanovlm", "torch", "torchvision", "lightning",
+          "pytorch_lightning", "transformers", "tokenizers", "webdataset", "numpy", "pil", "omegaconf", "yaml",
+          "cookiecutter", "pytest", "tqdm", "matplotlib", "safetensors", "flash_attn"}  # fmt: skip
+
+
 def check_name(name: str) -> str | None:
     """Why ``name`` cannot make a project (its folder and Python package names follow from it), else None."""
     slug = name.lower().replace(" ", "-").replace("_", "-")  # as template/cookiecutter.json derives them
     package = slug.replace("-", "_")
-    if not re.fullmatch(r"[a-z][a-z0-9-]*", slug) or keyword.iskeyword(package):
+    if not re.fullmatch(r"[a-z][a-z0-9]*(-[a-z0-9]+)*", slug) or keyword.iskeyword(package):
         return (
             f"project name {name!r} would make the folder {slug!r} and the Python package {package!r}; use letters, "
-            "digits, spaces, '-' or '_', starting with a letter (e.g. 'Shapes QA')"
+            "digits and single spaces, '-' or '_' between them, starting with a letter (e.g. 'Shapes QA')"
         )
+    if package in _TAKEN or package in sys.stdlib_module_names:
+        return (
+            f"project name {name!r} would make the Python package {package!r}, which is taken (a folder of the "
+            "project, the standard library, or a package it imports); choose another name"
+        )
+    return None
+
+
+def check_text(what: str, text: str) -> str | None:
+    """Why a description or author cannot go into pyproject.toml and the README as given, else None."""
+    if any(c in text for c in '"\\\n\r'):
+        return f"{what} {text!r} holds a quote, backslash or line break; they would break pyproject.toml"
     return None
 
 
@@ -35,15 +55,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--description", default=None, help="one-line description")
     p.add_argument("--author", default=None, help="author name for pyproject.toml")
     args = p.parse_args(argv)
-    problem = check_name(args.name)
+    problem = (
+        check_name(args.name)
+        or (args.description and check_text("--description", args.description))
+        or (args.author and check_text("--author", args.author))
+    )
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return 2
-    from cookiecutter.main import cookiecutter
+    try:
+        from cookiecutter.main import cookiecutter
+    except ImportError:
+        print("error: new_project.py renders template/ with cookiecutter: pip install cookiecutter", file=sys.stderr)
+        return 2
 
     context = {"project_name": args.name}
     if args.description:
-        context["description"] = args.description
+        context["description"] = args.description.rstrip(".")  # the template ends its sentences itself
     if args.author:
         context["author"] = args.author
     try:
