@@ -688,6 +688,9 @@ class PackedMultimodalDataModule(L.LightningDataModule):
         plan = self.current_plan()
         tab = self.table
         lengths = np.minimum(plan.lengths, self.spec.max_tokens)
+        kept = np.ones(len(plan.order), bool)  # planned skips hold no tokens of the epoch
+        for positions in plan.skipped.values():
+            kept[positions] = False
         n_packs = plan.packs_per_slot * plan.topology.num_slots
         workers = max(1, self.cfg.num_workers)
         queue_mb = self.cfg.queue_size * workers * self.pack_bytes() / 2**20
@@ -705,7 +708,7 @@ class PackedMultimodalDataModule(L.LightningDataModule):
             "val_samples": len(self.val_table) if self.val_table is not None else 0,
             "epoch": self._pos.epoch,
             "samples_per_epoch": int(len(plan.order)),
-            "tokens_per_epoch": int(lengths.sum()),
+            "tokens_per_epoch": int(lengths[kept].sum()),
             "planned_skips": {r: int(p.size) for r, p in plan.skipped.items()},
             "packs_per_epoch": int(n_packs),
             "batches_per_rank_per_epoch": plan.batches_per_rank(),
