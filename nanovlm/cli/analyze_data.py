@@ -88,6 +88,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"waste at max_tokens={budget}: pad-to-longest {w['pad_to_longest']:.1%}, constrained "
         f"{w['constrained']:.1%}, packing {w['packing']:.1%} (FFD {w['packing_ffd']:.1%}); "
         f"{w['over_budget']} samples over budget"
+        + (
+            f"; packing cannot place {w['packing_lost']} samples ({w['packing_lost_tokens']:.1%} of tokens: over the "
+            "token or image budget)"
+            if w["packing_lost"]
+            else ""
+        )
     )
     print(
         f"recommended: data.max_tokens={res['recommended_max_tokens']} data.overlength={res['recommended_overlength']}"
