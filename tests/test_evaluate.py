@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import faults
+import pytest
 from test_datamodule import make_cfg
 
 from nanovlm.data.format import Record
@@ -64,3 +65,32 @@ def test_a_perfect_model_scores_every_long_answer_and_prompts_fill_no_context(tm
     result = evaluate_answers(model, tiny_tokenizer, cfg, [str(tmp_path / "val")], limit=10)
     assert [(r["key"], r["correct"]) for r in result["rows"]] == [("long", True), ("short", True)]
     assert result["accuracy"] == 1.0 and result["skipped"] == {"overlength": 1}
+
+
+def test_chance_is_the_demos_only_on_demo_samples():
+    """A user task named like a demo task ("count", 10 equally likely answers) was given the demo's 25% chance."""
+    from nanovlm.train.evaluate import chance_level
+
+    user = [{"key": f"q{i}", "task": "count", "expected": str(i % 10)} for i in range(20)]
+    assert chance_level(user) == pytest.approx(0.1)  # the majority baseline: 2 of 20
+    demo = [dict(r, key=f"demo-val-{i:06d}") for i, r in enumerate(user)]
+    from nanovlm.data.demo import TASKS
+
+    assert chance_level(demo) == pytest.approx(TASKS["count"][1])
+
+
+def test_every_validation_directory_is_evaluated(tmp_path, tiny_tokenizer):
+    """The first eval_samples came from the first directory only; now the directories take turns."""
+    from nanovlm.train.evaluate import iter_answered_records
+
+    for name in ("a", "b"):
+        recs = [
+            Record(f"{name}{i}", [{"role": "user", "content": "q?"}, {"role": "assistant", "content": "x"}], [],
+                   {"answer": "x"})
+            for i in range(5)
+        ]  # fmt: skip
+        write_dataset(recs, tmp_path / name, tiny_tokenizer, 16, samples_per_shard=2)
+    got = [r.key for r in iter_answered_records([str(tmp_path / "a"), str(tmp_path / "b")], limit=6)]
+    assert got == ["a0", "b0", "a1", "b1", "a2", "b2"]
+    got = [r.key for r in iter_answered_records([str(tmp_path / "a"), str(tmp_path / "b")], limit=100)]
+    assert sorted(got) == [f"{n}{i}" for n in "ab" for i in range(5)]
