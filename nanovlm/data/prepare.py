@@ -33,7 +33,7 @@ from nanovlm.data.tokenizer import tokenizer_fingerprint
 
 SHARD_PATTERN = "shard-{:06d}.tar"
 _SHARD_RE = re.compile(r"^shard-\d{6}\.tar$")
-# PIL format -> member suffix. Other formats are re-encoded as PNG so every reader can decode them.
+# PIL format -> member suffix. Other formats the decoder accepts (PPM) are re-encoded as PNG for every reader.
 _FORMAT_EXT = {"JPEG": "jpg", "MPO": "jpg", "PNG": "png", "WEBP": "webp", "GIF": "gif", "BMP": "bmp", "TIFF": "tif"}
 _ROTATED = (5, 6, 7, 8)  # EXIF orientations that swap width and height
 
@@ -80,7 +80,7 @@ def inspect_image(data: bytes, max_pixels: int = 0, key: str = "") -> tuple[str,
     if orientation in _ROTATED:
         w, h = h, w
     ext = _FORMAT_EXT.get(fmt or "")
-    if ext is None:  # e.g. PPM, ICO, TGA: store as PNG so any reader decodes it
+    if ext is None:  # PPM: store as PNG so any reader decodes it
         buf = io.BytesIO()
         to_rgb(img).save(buf, format="PNG")
         ext, data = "png", buf.getvalue()
