@@ -546,3 +546,39 @@ def test_gzip_and_pipe_inputs_and_a_json_array_is_named(tmp_path, tiny_tokenizer
     (tmp_path / "llava.json").write_text("\n[\n  " + json.dumps({"image": "ok.png", "caption": "x"}) + "\n]\n")
     with pytest.raises(SystemExit, match="holds a JSON array, not JSON Lines"):
         _prepare(tiny_tokenizer, "--input", str(tmp_path / "llava.json"), "--output", str(tmp_path / "d"))
+
+
+def test_prepare_data_small_input_mistakes(tmp_path, tiny_tokenizer, capsys):
+    _img(tmp_path / "ok.png")
+    src = _jsonl(
+        tmp_path / "a.jsonl",
+        [
+            {"image": "ok.png", "conversations": [{"from": "Human", "value": "<image>\nColour?"},
+                                                  {"from": "GPT", "value": "red"}]},  # capitalised roles
+            {"image": "ok.png", "conversations": [{"from": "human", "value": "<image>\nColour?"},
+                                                  {"from": "gpt", "value": " "}]},  # blank answer
+        ],
+    )  # fmt: skip
+    (tmp_path / "file").write_text("")
+    with pytest.raises(SystemExit, match="is a file"):
+        _prepare(tiny_tokenizer, "--input", str(src), "--output", str(tmp_path / "file"))
+    with pytest.raises(SystemExit, match="same input file is given more than once"):
+        _prepare(tiny_tokenizer, "--input", str(src), str(tmp_path / "." / "a.jsonl"), "--output", str(tmp_path / "o"))
+    out = tmp_path / "o"
+    assert _prepare(tiny_tokenizer, "--input", str(src), "--output", str(out), "--max-image-pixels", "100000000") == 0
+    assert "training skips those over data.max_image_pixels=64000000" in capsys.readouterr().out
+    rejected = [json.loads(line) for line in (tmp_path / "o" / "rejected.jsonl").read_text().splitlines()]
+    assert [(r["reason"], r["detail"]) for r in rejected] == [("no_assistant_turn", "every assistant turn is empty")]
+    assert load_index(tmp_path / "o").num_samples == 1
+
+
+def test_prepare_data_ctrl_c_is_a_message_not_a_traceback(tmp_path, tiny_tokenizer, monkeypatch, capsys):
+    import nanovlm.cli.prepare_data as cli
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "run_jsonl", interrupted)
+    src = _jsonl(tmp_path / "a.jsonl", [{"image": "x.png", "caption": "x"}])
+    assert _prepare(tiny_tokenizer, "--input", str(src), "--output", str(tmp_path / "o")) == 130
+    assert "interrupted: run the same command again" in capsys.readouterr().err

@@ -347,6 +347,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             _check_not_json_array(p)
     if args.image_root and not Path(args.image_root).is_dir():
         raise SystemExit(f"error: --image-root {args.image_root} is not a directory")
+    if Path(args.output).exists() and not Path(args.output).is_dir():
+        raise SystemExit(f"error: --output {args.output} is a file; give a directory")
+    resolved = [p.resolve() for p in inputs]
+    if len(set(resolved)) < len(resolved):  # every sample would be written twice, under two keys
+        raise SystemExit("error: the same input file is given more than once")
 
     from nanovlm.config import ConfigError, image_token_count, load_config
     from nanovlm.data.tokenizer import load_tokenizer, tokenizer_fingerprint
@@ -367,10 +372,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     out_dir = Path(args.output)
     report = Report()
     t0 = time.perf_counter()
-    if dirs:
-        index = run_index_only(args, dirs[0], out_dir, tok_path, fingerprint, itc, report)
-    else:
-        index = run_jsonl(args, inputs, out_dir, tok_path, fingerprint, itc, report)
+    try:
+        if dirs:
+            index = run_index_only(args, dirs[0], out_dir, tok_path, fingerprint, itc, report)
+        else:
+            index = run_jsonl(args, inputs, out_dir, tok_path, fingerprint, itc, report)
+    except KeyboardInterrupt:  # the open shard's temp file is gone already; completed shards stay, unindexed
+        # an earlier dataset there is intact, or (once a new shard has replaced one of its shards) unindexed
+        print(f"\ninterrupted: run the same command again to prepare {out_dir}", file=sys.stderr)
+        return 130
     rejected = report.write_rejected(out_dir)
     elapsed = time.perf_counter() - t0
 
@@ -389,4 +399,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: no sample could be written ({reasons}); see {rejected}", file=sys.stderr)
         return 1
     print(f"index: {out_dir / 'index.json'} (tokenizer {fingerprint}, {itc} tokens per image)")
+    if args.max_image_pixels > cfg.data.max_image_pixels:
+        print(
+            f"note: images up to {args.max_image_pixels} pixels were accepted; training skips those over "
+            f"data.max_image_pixels={cfg.data.max_image_pixels} unless you set it to {args.max_image_pixels} too"
+        )
     return 0

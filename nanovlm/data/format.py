@@ -91,7 +91,12 @@ def validate_messages(messages: Any, n_images: int, key: str = "") -> list[dict]
     if not has_text:
         raise SampleError("empty_conversation", key)
     if not has_answer:
-        raise SampleError("no_assistant_turn", key)
+        empty = any(m["role"] == "assistant" for m in clean)
+        raise SampleError(
+            "no_assistant_turn",
+            key,
+            "every assistant turn is empty" if empty else "the conversation has no assistant turn",
+        )
     if n_placeholders != n_images:
         raise SampleError("image_count_mismatch", key, f"{n_placeholders} <image> placeholders, {n_images} images")
     return clean
@@ -121,7 +126,7 @@ def _llava_messages(conversations: Any, n_images: int, key: str) -> list[dict]:
     for turn in conversations:
         if not isinstance(turn, dict) or not isinstance(turn.get("value"), str):
             raise SampleError("missing_messages", key, f"bad turn {str(turn)[:80]!r}")
-        role = _LLAVA_ROLES.get(turn.get("from"))
+        role = _LLAVA_ROLES.get(str(turn.get("from")).lower())  # "Human" / "GPT" in some exports
         if role is None:
             raise SampleError("bad_role", key, f"'from' {turn.get('from')!r} is not human/gpt/system")
         messages.append({"role": role, "content": turn["value"]})
