@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from nanovlm.data.visualize import IMAGE, LOSS, PROMPT, UNUSED, draw_packs, pack_rows, row_rgb
+from nanovlm.data.visualize import IMAGE, LOSS, PROMPT, UNUSED, draw_packs, pack_rows, row_rgb, rows_title
 
 IMG = 7
 X = -100
@@ -55,9 +55,11 @@ def test_padded_batches_one_row_per_sample():
 
 def test_colours_distinguish_categories_and_samples():
     (row,) = pack_rows([packed_batch()], IMG)
-    rgb = row_rgb(row, 24)
-    assert rgb.shape == (24, 3)
-    assert np.allclose(rgb[15:], 0.85)  # unused tail and the extra width are grey
+    t = len(row.category)
+    rgb = row_rgb(row, t + 4)
+    assert rgb.shape == (t + 4, 3)
+    assert np.allclose(rgb[15:t], 0.85)  # the unused tail is grey
+    assert np.allclose(rgb[t:], 1.0)  # past the row's own slots (a wider row elsewhere): white, not "unused"
     loss_a, prompt_a, image_a, loss_b = rgb[5], rgb[0], rgb[2], rgb[11]
     assert prompt_a.sum() > loss_a.sum() > image_a.sum()  # prompt lighter, image darker than the sample colour
     assert not np.allclose(loss_a, loss_b)  # neighbouring samples differ
@@ -110,6 +112,24 @@ def test_inspect_batch_cli(tmp_path, make_dataset, tiny_tokenizer, capsys):
         main([str(tmp_path / "ds"), f"data.tokenizer={tiny_tokenizer.name_or_path}", "data.max_tokens=16"])
 
 
+def test_padded_rows_of_different_widths_are_titled_and_filled_by_slots(tmp_path):
+    from PIL import Image
+
+    short = {
+        "input_ids": np.ones((1, 4), np.int64),
+        "labels": np.ones((1, 4), np.int64),
+        "attention_mask": np.array([[1, 1, 1, 1]]),
+        "sample_keys": ["a"],
+    }
+    wide = {"input_ids": np.ones((1, 12), np.int64), "labels": np.ones((1, 12), np.int64),
+            "attention_mask": np.array([[1] * 6 + [0] * 6]), "sample_keys": ["b"]}  # fmt: skip
+    fills = draw_packs([short, wide], tmp_path / "p.png")
+    assert fills == [1.0, 0.5] and Image.open(tmp_path / "p.png").size[0] > 0
+    # not "2 packs of 12 slots, mean fill 75.0%": the rows differ in width, and 10 of 16 slots are real
+    assert rows_title(pack_rows([short, wide])) == "2 rows of up to 12 slots, fill 62.5%"
+    assert rows_title(pack_rows([wide, wide])) == "2 packs of 12 slots, fill 50.0%"
+
+
 def test_decode_marked(tiny_tokenizer):
     from nanovlm.cli.inspect_batch import decode_marked
 
@@ -120,6 +140,9 @@ def test_decode_marked(tiny_tokenizer):
     ids = a + [img] * 3 + b
     labels = [X] * (len(a) + 3) + b
     assert decode_marked(tok, ids, labels, img) == "hi<image x3>[[red]]"
+    two = a + [img] * 6 + b  # two adjacent images of 3 tokens each
+    labels = [X] * (len(a) + 6) + b
+    assert decode_marked(tok, two, labels, img, per_image=3) == "hi<image x3><image x3>[[red]]"
 
 
 def test_inspect_batch_errors(tmp_path):
@@ -129,3 +152,11 @@ def test_inspect_batch_errors(tmp_path):
         main([str(tmp_path), "--out", str(tmp_path / "x.png")])
     with pytest.raises(SystemExit, match="unknown config key"):
         main([str(tmp_path), "--out", str(tmp_path / "x.png"), "data.max_tokenz=3"])
+
+
+def test_batches_are_labelled_with_their_place_in_their_epoch(tiny_tokenizer):
+    """A run of batches that crosses an epoch end said 'batch 1 of epoch 1' for the first batch of epoch 1."""
+    from nanovlm.cli.inspect_batch import describe_batch
+
+    batch = packed_batch() | {"pixel_values": torch.zeros(1, 3, 4, 4), "meta": {"epoch": 1, "index": 0}}
+    assert describe_batch(batch, 7, tiny_tokenizer, IMG, 0)[0].startswith("batch 0 of epoch 1:")

@@ -38,8 +38,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def decode_marked(tokenizer, ids: list[int], labels: list[int], image_token_id: int) -> str:
-    """Decode one sample: ``[[...]]`` around runs of loss tokens, ``<image xN>`` for a run of image tokens."""
+def decode_marked(
+    tokenizer, ids: list[int], labels: list[int], image_token_id: int, per_image: int | None = None
+) -> str:
+    """Decode one sample: ``[[...]]`` around runs of loss tokens, ``<image xN>`` for each image's run of image
+    tokens (adjacent images are told apart by ``per_image``, the tokens of one image)."""
     parts: list[str] = []
     i = 0
     while i < len(ids):
@@ -51,7 +54,9 @@ def decode_marked(tokenizer, ids: list[int], labels: list[int], image_token_id: 
                 break
             j += 1
         if kind == "image":
-            parts.append(f"<image x{j - i}>")
+            n = j - i
+            step = per_image if per_image and n % per_image == 0 else n
+            parts += [f"<image x{step}>"] * (n // step)
         else:
             text = tokenizer.decode(ids[i:j], skip_special_tokens=False)
             parts.append(f"[[{text}]]" if kind == "loss" else text)
@@ -63,8 +68,11 @@ def _shape(x) -> str:
     return f"{tuple(x.shape)} {str(x.dtype).replace('torch.', '')}"
 
 
-def describe_batch(batch: dict, index: int, tokenizer, image_token_id: int, n_samples: int) -> list[str]:
+def describe_batch(
+    batch: dict, index: int, tokenizer, image_token_id: int, n_samples: int, per_image: int | None = None
+) -> list[str]:
     meta = batch.get("meta", {})
+    index = meta.get("index", index)  # the batch's place in its epoch (a run of batches can cross an epoch end)
     tensors = [
         k for k in ("input_ids", "labels", "position_ids", "attention_mask", "cu_seqlens", "pixel_values") if k in batch
     ]
@@ -88,7 +96,7 @@ def describe_batch(batch: dict, index: int, tokenizer, image_token_id: int, n_sa
         mask = batch.get("attention_mask")
         spans = [(r, 0, int(mask[r].sum()) if mask is not None else ids.shape[1]) for r in range(ids.shape[0])]
     for key, (row, a, b) in list(zip(batch["sample_keys"], spans))[:n_samples]:
-        text = decode_marked(tokenizer, ids[row, a:b].tolist(), labels[row, a:b].tolist(), image_token_id)
+        text = decode_marked(tokenizer, ids[row, a:b].tolist(), labels[row, a:b].tolist(), image_token_id, per_image)
         lines.append(f"  - {key} ({b - a} tokens): {text!r}")
     return lines
 
@@ -115,6 +123,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     if args.out is not None and not args.out.strip():
         raise SystemExit("error: --out must not be empty")
+    if args.out is not None:  # before the data work, not a traceback after it
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     if args.batches <= 0 or args.samples < 0:
         raise SystemExit("error: --batches must be positive and --samples non-negative")
     from nanovlm.config import ConfigError, load_config
@@ -166,7 +176,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     batches = []
     for batch in dm.val_dataloader() if args.val else dm.train_dataloader():
         print()
-        print("\n".join(describe_batch(batch, len(batches), tok, image_token_id, args.samples)))
+        print("\n".join(describe_batch(batch, len(batches), tok, image_token_id, args.samples, dm.image_token_count)))
         batches.append(batch)
         if len(batches) >= args.batches:
             break
@@ -174,6 +184,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         fills = draw_packs(
             batches, args.out, image_token_id=image_token_id, max_rows=args.batches * cfg.data.batch_size
         )
+        real = sum(b["meta"]["real_tokens"] for b in batches)
+        slots = sum(b["meta"].get("slots", b["input_ids"].numel()) for b in batches)
         print(f"\ndrew {len(fills)} rows from {len(batches)} batches (packing={cfg.data.packing}, "
-              f"max_tokens={cfg.data.max_tokens}): mean fill {sum(fills) / len(fills):.1%} -> {args.out}")  # fmt: skip
+              f"max_tokens={cfg.data.max_tokens}): fill {real / max(1, slots):.1%} -> {args.out}")  # fmt: skip
     return 0

@@ -79,9 +79,13 @@ _PALETTE = np.array(
 _GREY = np.array((0.85, 0.85, 0.85))
 
 
+_NO_SLOT = np.array((1.0, 1.0, 1.0))  # past the end of a row shorter than the widest (padded batches differ)
+
+
 def row_rgb(row: PackRow, width: int) -> np.ndarray:
-    """RGB [width, 3]: sample colour for loss tokens, lighter for prompt tokens, darker for image tokens."""
-    rgb = np.tile(_GREY, (width, 1))
+    """RGB [width, 3]: sample colour for loss tokens, lighter for prompt tokens, darker for image tokens; unused
+    slots grey, and white past the row's own length (not a slot at all)."""
+    rgb = np.tile(_NO_SLOT, (width, 1))
     t = len(row.category)
     base = _PALETTE[np.maximum(row.sample, 0) % len(_PALETTE)]
     cat = row.category
@@ -90,6 +94,18 @@ def row_rgb(row: PackRow, width: int) -> np.ndarray:
     colour = np.where((cat == UNUSED)[:, None], _GREY, colour)
     rgb[:t] = colour
     return rgb
+
+
+def rows_title(rows: list[PackRow]) -> str:
+    """'N packs of T slots, fill F' (padded rows of different widths: 'N rows of up to T slots'); the fill is
+    real tokens over slots of all rows, not a mean of the rows' fills."""
+    slots = np.array([len(r.category) for r in rows])
+    width = int(slots.max())
+    fill = float(np.dot([r.fill for r in rows], slots) / max(1, slots.sum()))
+    shape = (
+        f"{len(rows)} packs of {width} slots" if (slots == width).all() else f"{len(rows)} rows of up to {width} slots"
+    )
+    return f"{shape}, fill {fill:.1%}"
 
 
 def draw_packs(
@@ -123,8 +139,7 @@ def draw_packs(
     ax.set_yticks(np.arange(len(rows)) + 0.5)
     ax.set_yticklabels([f"{i}: {len(r.keys)} samples" for i, r in enumerate(rows)], fontsize=7)
     ax.set_xlabel("token slot")
-    mean_fill = float(np.mean([r.fill for r in rows]))
-    ax.set_title(title or f"{len(rows)} packs of {width} slots, mean fill {mean_fill:.1%}")
+    ax.set_title(title or rows_title(rows))
     ax.legend(
         handles=[
             Patch(color=_PALETTE[0], label="answer tokens (loss)"),
