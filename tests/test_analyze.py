@@ -136,6 +136,9 @@ def test_analyze_cli_errors(tmp_path):
     (tmp_path / "file").write_text("")
     with pytest.raises(SystemExit, match="is a file"):
         main([str(tmp_path / "d"), "--out", str(tmp_path / "file")])
+    write_index(tmp_path / "empty", [], [])
+    with pytest.raises(SystemExit, match="lists no samples"):  # was a report of "waste 0.0%, recommended 1024"
+        main([str(tmp_path / "empty"), "--out", str(tmp_path / "r")])
 
 
 def test_recommended_budget_fits_the_models_context(tmp_path, capsys):

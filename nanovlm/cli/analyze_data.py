@@ -78,6 +78,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     for d, n in differing.items():  # lengths are recomputed with itc; say so when the data was made for another count
         print(f"note: {d} was prepared for {n} tokens per image; this analysis uses {itc} (--image-token-count)")
     stats = collect(indexes, itc)
+    if stats.num_samples == 0:
+        raise SystemExit(f"error: the index of {', '.join(args.dirs)} lists no samples: nothing to analyse")
     res = write_report(stats, args.out, budget, batch, cfg.data.max_images, cfg.data.lookahead, args.seed, cap)
     w = res["waste"]
     print(
