@@ -497,44 +497,34 @@ def test_steps_trace_is_cut_at_the_resumed_micro_batch(tmp_path):
     assert [json.loads(line)["micro"] for line in path.read_text().splitlines()] == [0, 1, 2, 3]
 
 
-def test_periodic_validation_counts_optimizer_steps_under_accumulation(tmp_path, capsys):
-    """trainer.val_every_n_steps is in optimizer steps; Lightning's interval is in micro-batches."""
-
-    class WithVal(StreamDataModule):
-        def val_dataloader(self):
-            return DataLoader([synthetic_batch(1000 + i, self.cfg) for i in range(2)], batch_size=None)
-
-    cfg = tiny_cfg(
-        tmp_path,
-        "trainer.max_steps=4",
-        "trainer.accumulate_grad_batches=2",
-        "trainer.val_every_n_steps=2",
-        "data.val=[unused]",  # the stand-in DataModule brings its own validation batches
-    )
-    pl.seed_everything(cfg.trainer.seed, verbose=False)
-    trainer, _, _ = build_trainer(cfg)
-    trainer.fit(VLMModule(cfg, model=tiny_model(cfg)), datamodule=WithVal(cfg), weights_only=True)
-    validated = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[val] step")]
-    assert [line.split(":")[0] for line in validated] == ["[val] step 2", "[val] step 4"]
+class WithVal(StreamDataModule):
+    def val_dataloader(self):
+        return DataLoader([synthetic_batch(1000 + i, self.cfg) for i in range(2)], batch_size=None)
 
 
-def test_a_run_stopped_early_does_not_validate_at_the_stop(tmp_path, capsys):
-    """Lightning validates when should_stop is set; a stopped (preempted) run must not spend its grace time so."""
-
-    class WithVal(StreamDataModule):
-        def val_dataloader(self):
-            return DataLoader([synthetic_batch(1000 + i, self.cfg) for i in range(2)], batch_size=None)
-
-    cfg = tiny_cfg(
-        tmp_path,
-        "trainer.max_steps=6",
-        "trainer.val_every_n_steps=2",
-        "trainer.stop_at_step=3",
-        "data.val=[unused]",  # the stand-in DataModule brings its own validation batches
-    )
+def fit_with_validation(tmp_path, capsys, *overrides: str):
+    """Fit the stand-in data with two validation batches; returns (trainer, checkpoint callback, the
+    '[val] step N' prefixes printed, all stdout)."""
+    cfg = tiny_cfg(tmp_path, *overrides, "data.val=[unused]")  # the stand-in DataModule brings its own batches
     pl.seed_everything(cfg.trainer.seed, verbose=False)
     trainer, ckpt, _ = build_trainer(cfg)
     trainer.fit(VLMModule(cfg, model=tiny_model(cfg)), datamodule=WithVal(cfg), weights_only=True)
     out = capsys.readouterr().out
+    return trainer, ckpt, [line.split(":")[0] for line in out.splitlines() if line.startswith("[val] step")], out
+
+
+def test_periodic_validation_counts_optimizer_steps_under_accumulation(tmp_path, capsys):
+    """trainer.val_every_n_steps is in optimizer steps; Lightning's interval is in micro-batches."""
+    _, _, validated, _ = fit_with_validation(
+        tmp_path, capsys, "trainer.max_steps=4", "trainer.accumulate_grad_batches=2", "trainer.val_every_n_steps=2"
+    )
+    assert validated == ["[val] step 2", "[val] step 4"]
+
+
+def test_a_run_stopped_early_does_not_validate_at_the_stop(tmp_path, capsys):
+    """Lightning validates when should_stop is set; a stopped (preempted) run must not spend its grace time so."""
+    trainer, ckpt, validated, out = fit_with_validation(
+        tmp_path, capsys, "trainer.max_steps=6", "trainer.val_every_n_steps=2", "trainer.stop_at_step=3"
+    )
     assert ckpt.preempted and trainer.global_step == 3 and "trainer.stop_at_step reached" in out
-    assert [line.split(":")[0] for line in out.splitlines() if line.startswith("[val] step")] == ["[val] step 2"]
+    assert validated == ["[val] step 2"]
