@@ -528,3 +528,16 @@ def test_a_run_stopped_early_does_not_validate_at_the_stop(tmp_path, capsys):
     )
     assert ckpt.preempted and trainer.global_step == 3 and "trainer.stop_at_step reached" in out
     assert validated == ["[val] step 2"]
+
+
+def test_a_validation_scheduled_at_the_stop_step_still_runs_and_is_not_repeated(tmp_path, capsys):
+    """Skipping it would lose it: the resumed run restores Lightning's loop past a validation due at its step."""
+    extra = ["trainer.max_steps=6", "trainer.val_every_n_steps=2", "checkpoint.every_n_steps=0"]
+    _, ckpt, validated, _ = fit_with_validation(tmp_path, capsys, *extra, "trainer.stop_at_step=4")
+    assert ckpt.preempted and validated == ["[val] step 2", "[val] step 4"]
+    cfg = tiny_cfg(tmp_path, *extra, "data.val=[unused]")
+    trainer, _, _ = build_trainer(cfg)
+    trainer.fit(VLMModule(cfg, model=tiny_model(cfg)), datamodule=WithVal(cfg), ckpt_path=ckpt.last_saved,
+                weights_only=True)  # fmt: skip
+    resumed = [line.split(":")[0] for line in capsys.readouterr().out.splitlines() if line.startswith("[val] step")]
+    assert resumed == ["[val] step 6"]

@@ -243,9 +243,17 @@ class PeriodicCheckpoint(pl.Callback):
     agree on it (one all-reduce), save a checkpoint and stop.
     """
 
-    def __init__(self, directory: str | os.PathLike, every_n_steps: int, keep_last: int, stop_at_step: int = 0) -> None:
+    def __init__(
+        self,
+        directory: str | os.PathLike,
+        every_n_steps: int,
+        keep_last: int,
+        stop_at_step: int = 0,
+        val_every_n_steps: int = 0,
+    ) -> None:
         self.dir = Path(directory)
         self.stop_at_step = stop_at_step  # behave as if a signal arrived at this step (0 = never)
+        self.val_every_n_steps = val_every_n_steps  # the validation schedule (0 = at the end only)
         self.every_n_steps = every_n_steps
         self.keep_last = max(1, keep_last)
         self.preempted = False  # set when training stopped early: a signal, or trainer.stop_at_step
@@ -292,9 +300,11 @@ class PeriodicCheckpoint(pl.Callback):
             path = self.save(trainer)
             self.preempted, self.by_signal = True, signalled
             trainer.should_stop = True
-            # Lightning validates when a run stops early; a stopped run is unfinished and a preempted one spends
-            # its grace time on it, so no validation now (every rank decides the same: the flag was all-reduced)
-            trainer.limit_val_batches = 0
+            # Lightning validates when a run stops early: an unscheduled validation that a preempted run pays for in
+            # grace time, so it is skipped. One scheduled at this very step runs: the resumed run would count it
+            # as done (Lightning restores the loop past it) and it would be lost. Same decision on every rank.
+            if not (self.val_every_n_steps > 0 and step % self.val_every_n_steps == 0):
+                trainer.limit_val_batches = 0
             if trainer.is_global_zero:
                 why = "signal received" if signalled else "trainer.stop_at_step reached"
                 print(f"[checkpoint] {why}: saved {path} at step {step}; stopping (rerun to resume)", flush=True)

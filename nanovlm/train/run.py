@@ -155,7 +155,7 @@ def build_trainer(
     ``resume_step``: the step a resumed run continues from (its logs are kept up to there)."""
     t = cfg.trainer
     ckpt = PeriodicCheckpoint(
-        checkpoint_dir(cfg), cfg.checkpoint.every_n_steps, cfg.checkpoint.keep_last, t.stop_at_step
+        checkpoint_dir(cfg), cfg.checkpoint.every_n_steps, cfg.checkpoint.keep_last, t.stop_at_step, t.val_every_n_steps
     )
     telemetry = Telemetry(cfg)
     callbacks: list[pl.Callback] = [
