@@ -378,24 +378,31 @@ def test_an_index_without_prompt_columns_still_trains_with_truncation(long_promp
 
 
 def test_resuming_truncation_after_the_index_gained_prompt_columns_is_refused(long_prompts, tiny_tokenizer, tmp_path):
-    """Under truncation the plan changes when the prompt columns appear: a resume would land elsewhere."""
+    """Under truncation the plan changes when the prompt columns appear (or go) and some sample's prompt alone fills
+    max_tokens: a resume would land elsewhere. Where no sample is affected, or under drop, it resumes."""
     path = copy_dataset(long_prompts[0], tmp_path / "d")
     new = (path / "index.json").read_text()
     raw = json.loads(new)
     for sh in raw["shards"]:
         del sh["prompt_tokens"], sh["prompt_images"]
-    (path / "index.json").write_text(json.dumps(raw))
-    for overlength, refused in (("truncate", True), ("drop", False)):
-        cfg = make_cfg([path], max_tokens=96, overlength=overlength, max_skip_rate=0.5)
-        (path / "index.json").write_text(json.dumps(raw))  # the older index
+    old = json.dumps(raw)
+    cases = [  # (overlength, max_tokens, index saved with, index resumed with, refused)
+        ("truncate", 96, old, new, True),
+        ("truncate", 96, new, old, True),
+        ("truncate", 512, old, new, False),  # no prompt reaches 512: the same plan either way
+        ("drop", 96, old, new, False),  # drop plans the same packs either way
+    ]
+    for overlength, max_tokens, before, after, refused in cases:
+        cfg = make_cfg([path], max_tokens=max_tokens, overlength=overlength, max_skip_rate=0.5)
+        (path / "index.json").write_text(before)
         dm = make_dm(cfg, tiny_tokenizer)
         take(dm, 2)
         state = dm.state_dict()
-        (path / "index.json").write_text(new)  # re-prepared: the same shards, now with prompt columns
+        (path / "index.json").write_text(after)
         dm = make_dm(cfg, tiny_tokenizer)
         if refused:
-            with pytest.raises(DataStateError, match="truncate_plans_with_prompt_lengths"):
+            with pytest.raises(DataStateError, match="truncate_skips_prompt_only_samples"):
                 dm.load_state_dict(state)
         else:
-            dm.load_state_dict(state)  # drop plans the same packs either way
+            dm.load_state_dict(state)
             assert dm.state_dict()["ranks"] == state["ranks"]

@@ -25,6 +25,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import dataclasses
+import hashlib
 import logging
 import time
 import weakref
@@ -51,6 +52,10 @@ from nanovlm.data.worker_signals import shield_from_preemption
 
 log = logging.getLogger(__name__)
 STATE_VERSION = 1
+
+
+# data-state fingerprint key: which samples truncation skips because their prompt alone fills the limit
+PROMPT_ONLY_KEY = "truncate_skips_prompt_only_samples"
 
 
 class DataStateError(RuntimeError):
@@ -539,11 +544,18 @@ class PackedMultimodalDataModule(L.LightningDataModule):
             "shuffle_buffer": self.cfg.shuffle_buffer,
             "image_token_count": self.image_token_count,
         }
-        # The dataset hashes leave out the index's prompt columns (re-indexing to add them changes no plan), except
-        # under truncation, whose plan skips prompt-only samples when the index has them. Present only then, so
-        # states saved without it still load everywhere else.
-        if self.spec.overlength == "truncate" and bool((self.table.prompt >= 0).any()):
-            out["truncate_plans_with_prompt_lengths"] = True
+        # The dataset hashes leave out the index's prompt columns: they change a plan only under truncation, and
+        # only through the samples whose prompt alone fills the limit (skipped instead of truncated). Those are
+        # named here by a hash of their rows, and only when there are any, so a state saved without the key
+        # still loads wherever the plan is the same.
+        if self.spec.overlength == "truncate":
+            limit = self.spec.max_tokens
+            if self.spec.mode == "constrained":
+                limit = min(self.spec.pad_cutoff or limit, limit)
+            t = self.table
+            prompt_only = np.flatnonzero((t.length > limit) & (t.prompt >= limit))
+            if prompt_only.size:
+                out[PROMPT_ONLY_KEY] = hashlib.sha1(prompt_only.astype(np.int64).tobytes()).hexdigest()[:16]
         return out
 
     def _local_state(self) -> dict:
@@ -604,7 +616,8 @@ class PackedMultimodalDataModule(L.LightningDataModule):
         if state.get("version") != STATE_VERSION:
             raise DataStateError(f"data state version {state.get('version')} is not {STATE_VERSION}")
         saved, now = state["config"], self._fingerprint()
-        changed = [f"{k}: {saved.get(k)!r} -> {now[k]!r}" for k in now if saved.get(k) != now[k]]
+        keys = [*now, *([PROMPT_ONLY_KEY] if PROMPT_ONLY_KEY in saved and PROMPT_ONLY_KEY not in now else [])]
+        changed = [f"{k}: {saved.get(k)!r} -> {now.get(k)!r}" for k in keys if saved.get(k) != now.get(k)]
         if "datasets" in saved and saved["datasets"] != now["datasets"]:  # name the directories, not only hashes
             was = state.get("dataset_names", "?")
             changed.append(f"data.train: {was} -> {list(self.table.dataset_names)} (content hashes above)")
