@@ -18,7 +18,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 INDEX_FILE = "index.json"
-INDEX_VERSION = 1
+# 2 added the optional prompt columns. Older nanovlm versions refuse a version-2 index by its number (they
+# would fail on the unknown fields otherwise); this version reads both.
+INDEX_VERSION = 2
+READABLE_VERSIONS = (1, 2)
 _BLOCK = 512
 
 
@@ -117,9 +120,10 @@ def load_index(directory: str | os.PathLike, check_files: bool = True) -> Datase
         raw = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise DatasetIndexError(f"{path} is not valid JSON: {e}") from None
-    if not isinstance(raw, dict) or raw.get("version") != INDEX_VERSION:
+    if not isinstance(raw, dict) or raw.get("version") not in READABLE_VERSIONS:
         raise DatasetIndexError(
-            f"{path}: unsupported index version {raw.get('version') if isinstance(raw, dict) else raw!r}"
+            f"{path}: unsupported index version {raw.get('version') if isinstance(raw, dict) else raw!r} (this "
+            f"nanovlm reads {', '.join(map(str, READABLE_VERSIONS))}: a newer version wrote it, or it is not an index)"
         )
     shards = []
     for i, s in enumerate(raw.get("shards", [])):
@@ -144,6 +148,7 @@ def load_index(directory: str | os.PathLike, check_files: bool = True) -> Datase
                 )
         shards.append(shard)
     return DatasetIndex(
+        version=int(raw["version"]),
         root=root,
         tokenizer=str(raw.get("tokenizer", "")),
         image_token_count=int(raw.get("image_token_count", 0)),
