@@ -73,6 +73,7 @@ def test_chance_is_the_demos_only_on_demo_samples():
 
     user = [{"key": f"q{i}", "task": "count", "expected": str(i % 10)} for i in range(20)]
     assert chance_level(user) == pytest.approx(0.1)  # the majority baseline: 2 of 20
+    assert chance_level([dict(r, key=f"demo-{i:08d}") for i, r in enumerate(user)]) == pytest.approx(0.1)  # demo.jsonl
     demo = [dict(r, key=f"demo-val-{i:06d}") for i, r in enumerate(user)]
     from nanovlm.data.demo import TASKS
 

@@ -582,3 +582,17 @@ def test_prepare_data_ctrl_c_is_a_message_not_a_traceback(tmp_path, tiny_tokeniz
     src = _jsonl(tmp_path / "a.jsonl", [{"image": "x.png", "caption": "x"}])
     assert _prepare(tiny_tokenizer, "--input", str(src), "--output", str(tmp_path / "o")) == 130
     assert "interrupted: run the same command again" in capsys.readouterr().err
+
+
+def test_prepare_data_unreadable_gzip_inputs_are_errors(tmp_path, tiny_tokenizer, capsys):
+    import gzip
+
+    (tmp_path / "fake.jsonl.gz").write_text('{"caption": "not gzip"}\n')
+    with pytest.raises(SystemExit, match="cannot read .*fake.jsonl.gz"):
+        _prepare(tiny_tokenizer, "--input", str(tmp_path / "fake.jsonl.gz"), "--output", str(tmp_path / "o"))
+    _img(tmp_path / "ok.png")
+    data = gzip.compress(b"".join(b'{"image": "ok.png", "caption": "c %d"}\n' % i for i in range(2000)))
+    (tmp_path / "cut.jsonl.gz").write_bytes(data[: len(data) // 2])  # a download cut short
+    assert _prepare(tiny_tokenizer, "--input", str(tmp_path / "cut.jsonl.gz"), "--output", str(tmp_path / "o")) == 1
+    assert "error: cannot read" in capsys.readouterr().err
+    assert not (tmp_path / "o" / "index.json").exists()

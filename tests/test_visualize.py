@@ -81,7 +81,7 @@ def test_inspect_batch_cli(tmp_path, make_dataset, tiny_tokenizer, capsys):
     from nanovlm.cli.inspect_batch import main
 
     make_dataset(tmp_path / "ds", 60, samples_per_shard=20, image_token_count=16)
-    out = tmp_path / "b.png"
+    out = tmp_path / "new" / "b.png"  # its folder is made (a traceback after the whole run before)
     rc = main([str(tmp_path / "ds"), "--out", str(out), "--batches", "3", "--samples", "1",
                f"data.tokenizer={tiny_tokenizer.name_or_path}", "data.max_tokens=256"])  # fmt: skip
     assert rc == 0 and out.read_bytes()[:4] == b"\x89PNG"
@@ -151,7 +151,8 @@ def test_inspect_batch_errors(tmp_path):
     with pytest.raises(SystemExit, match="no index.json"):
         main([str(tmp_path), "--out", str(tmp_path / "x.png")])
     with pytest.raises(SystemExit, match="unknown config key"):
-        main([str(tmp_path), "--out", str(tmp_path / "x.png"), "data.max_tokenz=3"])
+        main([str(tmp_path), "--out", str(tmp_path / "new" / "x.png"), "data.max_tokenz=3"])
+    assert not (tmp_path / "new").exists()  # nothing made for a call that fails
 
 
 def test_batches_are_labelled_with_their_place_in_their_epoch(tiny_tokenizer):

@@ -123,8 +123,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     if args.out is not None and not args.out.strip():
         raise SystemExit("error: --out must not be empty")
-    if args.out is not None:  # before the data work, not a traceback after it
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     if args.batches <= 0 or args.samples < 0:
         raise SystemExit("error: --batches must be positive and --samples non-negative")
     from nanovlm.config import ConfigError, load_config
@@ -151,6 +149,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise SystemExit(f"error: {e}") from None
     if args.val and not cfg.data.val:
         raise SystemExit("error: --val needs data.val directories")
+    if args.out is not None:  # before the data work, not a traceback after it
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     cfg.data.num_workers = 0  # read in this process: deterministic and quick
 
     from nanovlm.data.datamodule import PackedMultimodalDataModule

@@ -20,6 +20,7 @@ import json
 import multiprocessing as mp
 import os
 import re
+import signal
 import sys
 import time
 from collections import Counter
@@ -89,6 +90,12 @@ def _init_worker(tokenizer_path: str, max_pixels: int, allow_absolute: bool) -> 
     _STATE.update(processor=SampleProcessor(tok, 1, 1), max_pixels=max_pixels, allow_absolute=allow_absolute)
 
 
+def _init_pool_worker(*args) -> None:
+    """Pool workers leave Ctrl-C to the main process (each printed its own KeyboardInterrupt traceback)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _init_worker(*args)
+
+
 def _jsonl_work(task: tuple) -> tuple:
     """(key, source, line, image_root) -> ("ok", PreparedSample, source) | ("skip", key, source, reason, detail)."""
     from nanovlm.data.format import SampleError
@@ -133,7 +140,7 @@ def _results(fn, tasks: Iterator, workers: int, init_args: tuple) -> Iterator[tu
         yield from map(fn, tasks)
         return
     ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
-    with ctx.Pool(workers, initializer=_init_worker, initargs=init_args) as pool:
+    with ctx.Pool(workers, initializer=_init_pool_worker, initargs=init_args) as pool:
         # In bounded chunks: Pool.imap would read the whole input ahead and buffer results without limit.
         while chunk := list(itertools.islice(tasks, 256 * workers)):
             yield from pool.imap(fn, chunk, chunksize=8)
@@ -193,9 +200,12 @@ def _count_lines(files: list[Path]) -> int | None:
     if not all(f.is_file() for f in files):
         return None
     n = 0
-    for f in files:
-        with _open_input(f) as fh:
-            n += sum(1 for line in fh if line.strip())
+    try:
+        for f in files:
+            with _open_input(f) as fh:
+                n += sum(1 for line in fh if line.strip())
+    except (OSError, EOFError):  # the pass that reads the samples reports it, with the line
+        return None
     return n
 
 
@@ -203,8 +213,11 @@ def _check_not_json_array(path: Path) -> None:
     """A JSON array (LLaVA's released .json files) is one document, not lines: every line would be a bad sample."""
     if not path.is_file():
         return
-    with _open_input(path) as fh:
-        head = fh.read(4096).lstrip(b"\xef\xbb\xbf \t\r\n")
+    try:
+        with _open_input(path) as fh:
+            head = fh.read(4096).lstrip(b"\xef\xbb\xbf \t\r\n")
+    except (OSError, EOFError) as e:  # e.g. a .gz that is not gzip
+        raise SystemExit(f"error: cannot read {path}: {e}") from None
     if head.startswith(b"["):
         raise SystemExit(
             f"error: {path} holds a JSON array, not JSON Lines (one object per line). Convert it first: python -c "
@@ -213,13 +226,21 @@ def _check_not_json_array(path: Path) -> None:
         )
 
 
+class InputReadError(RuntimeError):
+    """An input file could not be read to its end (a truncated .gz, an I/O error)."""
+
+
 def _jsonl_tasks(files: list[Path], image_root: Path | None) -> Iterator[tuple]:
     for path, stem in zip(files, _key_stems(files)):
         root = str(image_root if image_root is not None else path.parent)
-        with _open_input(path) as fh:
-            for lineno, line in enumerate(fh, 1):
-                if line.strip():  # blank lines are not samples
-                    yield (f"{stem}-{lineno:08d}", f"{path.name}:{lineno}", line, root)
+        lineno = 0
+        try:
+            with _open_input(path) as fh:
+                for lineno, line in enumerate(fh, 1):
+                    if line.strip():  # blank lines are not samples
+                        yield (f"{stem}-{lineno:08d}", f"{path.name}:{lineno}", line, root)
+        except (OSError, EOFError) as e:  # a gzip stream cut short, a read error: the input is not all there
+            raise InputReadError(f"cannot read {path} past line {lineno}: {e}") from None
 
 
 def run_jsonl(args, files: list[Path], out_dir: Path, tok_path: str, fingerprint: str, itc: int, report: Report):
@@ -377,6 +398,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             index = run_index_only(args, dirs[0], out_dir, tok_path, fingerprint, itc, report)
         else:
             index = run_jsonl(args, inputs, out_dir, tok_path, fingerprint, itc, report)
+    except InputReadError as e:  # nothing is indexed from a partly read input
+        print(f"error: {e}; fix the input and run the same command again", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:  # the open shard's temp file is gone already; completed shards stay, unindexed
         # an earlier dataset there is intact, or (once a new shard has replaced one of its shards) unindexed
         print(f"\ninterrupted: run the same command again to prepare {out_dir}", file=sys.stderr)
@@ -399,9 +423,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: no sample could be written ({reasons}); see {rejected}", file=sys.stderr)
         return 1
     print(f"index: {out_dir / 'index.json'} (tokenizer {fingerprint}, {itc} tokens per image)")
-    if args.max_image_pixels > cfg.data.max_image_pixels:
+    limit = cfg.data.max_image_pixels  # 0 = no limit, here and in training
+    if limit > 0 and (args.max_image_pixels <= 0 or args.max_image_pixels > limit):
         print(
-            f"note: images up to {args.max_image_pixels} pixels were accepted; training skips those over "
-            f"data.max_image_pixels={cfg.data.max_image_pixels} unless you set it to {args.max_image_pixels} too"
+            f"note: images up to {args.max_image_pixels or 'any number of'} pixels were accepted; training skips "
+            f"those over data.max_image_pixels={limit} unless you set it to {args.max_image_pixels} too"
         )
     return 0

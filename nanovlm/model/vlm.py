@@ -220,7 +220,7 @@ class NanoVLM(nn.Module):
         pixel_values: torch.Tensor | None = None,
         max_new_tokens: int = 32,
         temperature: float = 0.0,
-        top_p: float = 1.0,
+        top_p: float | None = 1.0,
         eos_token_id: int | None = None,
         generator: torch.Generator | None = None,
     ) -> torch.Tensor:
@@ -234,6 +234,7 @@ class NanoVLM(nn.Module):
             raise ValueError(
                 f"generate decodes one sample: input_ids must be [1, L] with L > 0, got {tuple(input_ids.shape)}"
             )
+        top_p = 1.0 if top_p is None else top_p
         if max_new_tokens < 0 or not temperature >= 0 or not top_p >= 0:  # `not >=` also refuses nan
             raise ValueError(
                 f"need max_new_tokens >= 0, temperature >= 0 and top_p >= 0; got {max_new_tokens}, {temperature}, "
@@ -242,7 +243,7 @@ class NanoVLM(nn.Module):
         device = input_ids.device
         prompt_len = input_ids.shape[1]
         context = self.cfg.language.max_position_embeddings
-        if prompt_len + max_new_tokens > context:
+        if prompt_len > context or prompt_len + max_new_tokens - 1 > context:  # the last new token is never fed
             raise ValueError(
                 f"a {prompt_len}-token prompt + max_new_tokens={max_new_tokens} exceeds the model's "
                 f"max_position_embeddings={context} (positions past it were never trained)"

@@ -130,7 +130,7 @@ def evaluate_answers(
             budget = max_new_tokens
             if budget is None:
                 budget = len(tokenizer.encode(expected, add_special_tokens=False)) + ANSWER_MARGIN
-            budget = min(budget, cfg.model.language.max_position_embeddings - prompt.shape[1])
+            budget = min(budget, cfg.model.language.max_position_embeddings + 1 - prompt.shape[1])  # generate's bound
             if budget <= 0:
                 _skip(
                     skipped, SampleError("overlength", record.key, "the prompt fills the model's context"), record.key
@@ -155,11 +155,14 @@ def evaluate_answers(
     return {"n": n, "accuracy": accuracy, "chance": chance_level(rows), "rows": rows, "skipped": dict(skipped)}
 
 
+_DEMO_KEY = re.compile(r"demo-(train|val)-\d{6}")  # the keys make_demo_data writes
+
+
 def chance_level(rows: list[dict]) -> float | None:
     """The demo's per-task chance on demo samples; elsewhere, always answering the most common expected answer."""
     if not rows:
         return None
-    if all(r["task"] is not None and str(r["key"]).startswith("demo-") for r in rows):  # not a user task "count"
+    if all(r["task"] is not None and _DEMO_KEY.fullmatch(str(r["key"])) for r in rows):  # not a user task "count"
         from nanovlm.data.demo import TASKS
 
         if all(r["task"] in TASKS and TASKS[r["task"]][1] is not None for r in rows):
