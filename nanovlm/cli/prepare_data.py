@@ -252,7 +252,8 @@ def run_jsonl(args, files: list[Path], out_dir: Path, tok_path: str, fingerprint
     image_root = Path(args.image_root) if args.image_root else None
     writer = ShardWriter(out_dir, fingerprint, itc, args.samples_per_shard, created_by="prepare_data")
     init = (tok_path, args.max_image_pixels, args.allow_absolute_paths)
-    bar = tqdm(total=_count_lines(files), unit="sample", desc="prepare", disable=None)
+    shown = sys.stderr.isatty()  # tqdm's disable=None rule: count the lines (a whole extra pass) only for a bar
+    bar = tqdm(total=_count_lines(files) if shown else None, unit="sample", desc="prepare", disable=not shown)
     try:
         for res in _results(_jsonl_work, _jsonl_tasks(files, image_root), args.workers, init):
             if res[0] == "ok":

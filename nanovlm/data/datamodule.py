@@ -167,9 +167,7 @@ class _PackStream(IterableDataset):
         c = self.start.consumed
         local = (worker + c) % spr  # rotation: the DataLoader reads worker 0 first
         reader = ShardReader()
-        t, limit = s.table, s.spec.max_tokens
-        if s.spec.mode == "constrained":
-            limit = min(s.spec.pad_cutoff or limit, limit)
+        t, limit = s.table, s.spec.limit
         # with "drop" the plan already left out over-length samples: process without a limit, so a sample whose
         # real length disagrees with the index fails the length check below instead of passing as a skip
         limit_arg = limit if s.spec.overlength == "truncate" else None
@@ -549,10 +547,7 @@ class PackedMultimodalDataModule(L.LightningDataModule):
         # named here by a hash of their rows, and only when there are any, so a state saved without the key
         # still loads wherever the plan is the same.
         if self.spec.overlength == "truncate":
-            limit = self.spec.max_tokens
-            if self.spec.mode == "constrained":
-                limit = min(self.spec.pad_cutoff or limit, limit)
-            t = self.table
+            t, limit = self.table, self.spec.limit
             prompt_only = np.flatnonzero((t.length > limit) & (t.prompt >= limit))
             if prompt_only.size:
                 out[PROMPT_ONLY_KEY] = hashlib.sha1(prompt_only.astype(np.int64).tobytes()).hexdigest()[:16]

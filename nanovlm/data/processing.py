@@ -249,7 +249,7 @@ class SampleProcessor:
 
     def text_tokens(self, messages: list[dict]) -> int:
         """Token count with each ``<image>`` counted as one token (the index's ``text_tokens``)."""
-        return len(self.encode(messages, per_image=1)[0])
+        return self.token_counts(messages)[0]
 
     def token_counts(self, messages: list[dict]) -> tuple[int, int, int]:
         """(text tokens, prompt tokens, prompt images) with each ``<image>`` counted as one token.

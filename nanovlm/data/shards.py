@@ -85,7 +85,10 @@ class SampleTable:
             h = hashlib.sha1()
             for sh in shards:
                 n = len(sh["keys"])
-                for col in ("offsets", "nbytes", "text_tokens", "n_images"):
+                has_prompt = sh.get("prompt_tokens") is not None and sh.get("prompt_images") is not None and n > 0
+                for col in ("offsets", "nbytes", "text_tokens", "n_images") + (
+                    ("prompt_tokens", "prompt_images") if has_prompt else ()
+                ):
                     if len(sh[col]) != n:
                         raise PlanError(f"index of {name}: shard {sh['path']} has {n} keys but {len(sh[col])} {col}")
                 cols["dataset"].append(np.full(n, d, np.int32))
@@ -94,12 +97,7 @@ class SampleTable:
                 cols["nbytes"].append(np.asarray(sh["nbytes"], np.int64))
                 cols["text"].append(np.asarray(sh["text_tokens"], np.int64))
                 cols["img"].append(np.asarray(sh["n_images"], np.int64))
-                if sh.get("prompt_tokens") is not None and sh.get("prompt_images") is not None and n:
-                    for col in ("prompt_tokens", "prompt_images"):
-                        if len(sh[col]) != n:
-                            raise PlanError(
-                                f"index of {name}: shard {sh['path']} has {n} keys but {len(sh[col])} {col}"
-                            )
+                if has_prompt:
                     prompt = np.asarray(sh["prompt_tokens"], np.int64)
                     prompt = prompt + np.asarray(sh["prompt_images"], np.int64) * (image_token_count - 1)
                 else:
@@ -161,6 +159,13 @@ class PackSpec:
     batch_size: int = 8  # padded baselines only
     pad_cutoff: int = 0  # constrained only; 0 = max_tokens
 
+    @property
+    def limit(self) -> int:
+        """The most tokens one sample may have: max_tokens, or the constrained baseline's pad cutoff below it."""
+        if self.mode == "constrained":
+            return min(self.pad_cutoff or self.max_tokens, self.max_tokens)
+        return self.max_tokens
+
     def run(self, lengths: np.ndarray, n_images: np.ndarray, prompts: np.ndarray | None = None) -> packing.PackResult:
         """Batch one slot's samples; ``prompts`` (tokens before each first loss token, -1 = unknown) lets
         truncation skip a sample whose cut would leave no answer."""
@@ -178,8 +183,7 @@ class PackSpec:
         if self.mode == "pad_to_longest":
             return packing.pad_to_longest(lengths, n_images, self.batch_size, self.max_tokens, self.overlength, prompts)
         if self.mode == "constrained":
-            cutoff = min(self.pad_cutoff or self.max_tokens, self.max_tokens)
-            return packing.constrained(lengths, n_images, self.batch_size, cutoff, self.overlength, prompts)
+            return packing.constrained(lengths, n_images, self.batch_size, self.limit, self.overlength, prompts)
         raise PlanError(f"unknown packing mode {self.mode!r}")
 
 
