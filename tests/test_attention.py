@@ -38,8 +38,8 @@ def make_inputs(lengths, hq, hkv, d, seed=0):
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize(
     "lengths,hq,hkv",
-    [([5, 17, 1, 9], 4, 4), ([5, 17, 1, 9], 6, 2), ([8, 8, 8], 4, 2), ([23], 3, 1)],
-    ids=["mha-ragged", "gqa-ragged", "equal-segments", "single"],
+    [([5, 17, 1, 9], 4, 4), ([5, 17, 1, 9], 6, 2), ([8, 8, 8], 4, 2), ([23], 3, 1), ([5, 9, 5, 1, 9, 0, 5, 12], 6, 2)],
+    ids=["mha-ragged", "gqa-ragged", "equal-segments", "single", "repeated-lengths"],
 )
 def test_sdpa_matches_naive_forward_and_backward(lengths, hq, hkv, causal):
     q, k, v, cu, max_len = make_inputs(lengths, hq, hkv, 16)
@@ -53,9 +53,10 @@ def test_sdpa_matches_naive_forward_and_backward(lengths, hq, hkv, causal):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
-def test_segments_do_not_see_each_other():
+@pytest.mark.parametrize("lengths", [[6, 10, 4], [6, 10, 6, 10]], ids=["distinct", "repeated"])
+def test_segments_do_not_see_each_other(lengths):
     """Changing one segment's keys/values leaves every other segment's output bit-identical."""
-    q, k, v, cu, max_len = make_inputs([6, 10, 4], 4, 2, 8)
+    q, k, v, cu, max_len = make_inputs(lengths, 4, 2, 8)
     base = attention(q, k, v, cu, max_len, causal=True, backend="sdpa")
     k2, v2 = k.detach().clone(), v.detach().clone()
     k2[6:16] += 3.0
