@@ -71,7 +71,7 @@ class ModelConfig:
     projector: ProjectorConfig = field(default_factory=ProjectorConfig)
     language: LanguageConfig = field(default_factory=LanguageConfig)
     attn_backend: str = "auto"  # auto | flash_attn | torch_varlen | sdpa
-    init_std: float = 0.02  # std of the normal init for linear and embedding weights (random init only)
+    init_std: float = 0.02  # std of the normal init of linear and token weights (see NanoVLM.init_weights)
     vision_checkpoint: str | None = None  # transformers SigLIP checkpoint (hub id or dir) to load; None = random
     language_checkpoint: str | None = None  # transformers Llama/SmolLM2 checkpoint to load; None = random
 

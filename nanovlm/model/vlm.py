@@ -4,7 +4,7 @@ Text carries ``image_token_count`` copies of the ``<image>`` token id per image;
 image i replace the i-th run of placeholders, in order of appearance. A mismatch between placeholders and
 images is an error that names the samples, never a silent misalignment.
 
-``forward(batch)`` consumes the packed batch of docs/internals.md (or a padded [B, T] batch with
+``forward(batch)`` consumes the packed batch of docs/data.md (or a padded [B, T] batch with
 ``attention_mask``) and returns logits and the mean next-token loss over ``labels != -100``;
 ``forward(batch, return_logits=False)`` (training) computes logits only where that loss is taken.
 """
@@ -58,9 +58,10 @@ class NanoVLM(nn.Module):
 
     @torch.no_grad()
     def init_weights(self) -> None:
-        """Random init: N(0, init_std) for linear/conv/embedding weights, with the residual output projections
+        """Random init: N(0, init_std) for linear and embedding weights, with the residual output projections
         scaled by 1/sqrt(2 * layers) (GPT-2) so the residual stream does not grow with depth; zero biases, unit
-        norms. Public so that a model built on the meta device can be materialised and initialised."""
+        norms; the vision encoder's patch and position embeddings as SigLIP (below). Public so that a model built
+        on the meta device can be materialised and initialised."""
         std = self.cfg.init_std
         residual_out = {"out_proj", "fc2", "o_proj", "down_proj"}
         for part, depth in ((self.vision, self.cfg.vision.num_layers), (self.language, self.cfg.language.num_layers)):
@@ -76,6 +77,13 @@ class NanoVLM(nn.Module):
                 elif isinstance(module, RMSNorm):
                     nn.init.ones_(module.weight)
         nn.init.normal_(self.projector.proj.weight, mean=0.0, std=std)
+        # The ViT's input stream as SigLIP initialises it: the patch embedding fan-in scaled (LeCun normal), so
+        # unit-scale pixels give unit-scale patch features, and positions at 1/sqrt(width). With init_std (0.02)
+        # the stream starts at ~0.1 RMS, the blocks' attention outputs soon outweigh it, and every patch of an
+        # image drifts towards the image mean: colour, shape and position are lost before the decoder sees them.
+        patch = self.vision.patch_embedding.weight  # [hidden, 3, patch, patch]
+        nn.init.normal_(patch, mean=0.0, std=patch[0].numel() ** -0.5)
+        nn.init.normal_(self.vision.position_embedding.weight, mean=0.0, std=self.cfg.vision.hidden_size**-0.5)
 
     # ------------------------------------------------------------------------------------------------------
     # images
