@@ -58,6 +58,25 @@ def test_print_config_is_the_resolved_config():
     assert yaml.safe_load(proc.stdout)["trainer"]["max_steps"] == 7
 
 
+def test_options_may_come_anywhere_among_the_overrides():
+    """``train.py key=v --config ddp.yaml key2=v`` failed with "unrecognized arguments"."""
+    from nanovlm.cli.train import parse_args
+
+    args = parse_args(["trainer.max_steps=3", "--config", "ddp.yaml", "optim.lr=0.01", "--print-config"])
+    assert args.config == ["ddp.yaml"] and args.print_config
+    assert args.overrides == ["trainer.max_steps=3", "optim.lr=0.01"]
+
+
+def test_the_datamodule_is_importable_from_the_data_package():
+    import nanovlm.data
+    from nanovlm.data import PackedMultimodalDataModule
+    from nanovlm.data.datamodule import PackedMultimodalDataModule as home
+
+    assert PackedMultimodalDataModule is home
+    with pytest.raises(AttributeError, match="no_such"):
+        nanovlm.data.no_such  # noqa: B018
+
+
 def test_help_points_to_config_docs():
     proc = train_script("--help")
     assert proc.returncode == 0

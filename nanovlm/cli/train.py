@@ -22,7 +22,7 @@ examples:
   torchrun --nproc_per_node 8 scripts/train.py --config base.yaml --config ddp.yaml   # devices from torchrun
 
 A bare config name (ddp.yaml) is looked up in configs/. Every key, its type, default and meaning is in
-nanovlm/config.py; the most used keys are listed in the README section "Configuration".
+nanovlm/config.py; the most used keys are listed in docs/training.md, section "Configuration".
 A run writes <trainer.run_dir>/config.yaml (resolved config), csv/metrics.csv, steps.jsonl and
 checkpoints/; rerunning the same command resumes from the latest checkpoint (checkpoint.resume=auto).
 """
@@ -47,7 +47,7 @@ def parse_args(
     )
     p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. trainer.max_steps=10")
-    return p.parse_args(argv)
+    return p.parse_intermixed_args(argv)  # --config may come before, between or after the overrides
 
 
 def main(argv: Sequence[str] | None = None, default_configs: Sequence[str] = (DEFAULT_CONFIG,)) -> int:
