@@ -13,6 +13,8 @@ from nanovlm.data.demo import (
     CHANCE_ACCURACY,
     COLOURS,
     TASKS,
+    TRAIN_SAMPLES,
+    VAL_SAMPLES,
     ensure_demo_data,
     generate_records,
     make_demo_data,
@@ -118,13 +120,13 @@ def test_default_size_is_fast_and_long_tailed(tmp_path):
     t0 = time.perf_counter()
     info = make_demo_data(tmp_path / "demo")
     elapsed = time.perf_counter() - t0
-    assert info["train_samples"] == 3000 and info["val_samples"] == 300
+    assert (info["train_samples"], info["val_samples"]) == (TRAIN_SAMPLES, VAL_SAMPLES)
     assert elapsed < 120, elapsed  # ~35 s measured on 2 shared cores; generous for loaded CI machines
     idx = load_index(tmp_path / "demo" / "train")
     tokens = np.array(idx.total_tokens(16))
     n_img = np.array([n for s in idx.shards for n in s.n_images])
     assert set(n_img.tolist()) == {0, 1, 2}
-    assert np.percentile(tokens, 50) < 60 and tokens.max() > 200  # short median, long tail
+    assert np.percentile(tokens, 50) < 60 and tokens.max() > 4 * np.percentile(tokens, 50)  # short median, long tail
 
 
 def test_train_builds_only_the_demo_paths(tmp_path, monkeypatch):

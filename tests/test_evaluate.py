@@ -75,9 +75,9 @@ def test_chance_is_the_demos_only_on_demo_samples():
     assert chance_level(user) == pytest.approx(0.1)  # the majority baseline: 2 of 20
     assert chance_level([dict(r, key=f"demo-{i:08d}") for i, r in enumerate(user)]) == pytest.approx(0.1)  # demo.jsonl
     demo = [dict(r, key=f"demo-val-{i:06d}") for i, r in enumerate(user)]
-    from nanovlm.data.demo import TASKS
+    from nanovlm.data.demo import CHANCE
 
-    assert chance_level(demo) == pytest.approx(TASKS["count"][1])
+    assert chance_level(demo) == pytest.approx(CHANCE["count"]) == 0.25
 
 
 def test_every_validation_directory_is_evaluated(tmp_path, tiny_tokenizer):
@@ -95,3 +95,114 @@ def test_every_validation_directory_is_evaluated(tmp_path, tiny_tokenizer):
     assert got == ["a0", "b0", "a1", "b1", "a2", "b2"]
     got = [r.key for r in iter_answered_records([str(tmp_path / "a"), str(tmp_path / "b")], limit=100)]
     assert sorted(got) == [f"{n}{i}" for n in "ab" for i in range(5)]
+
+
+def test_blank_image_ablation_scores_each_sample_twice_and_reports_per_task(tmp_path, tiny_tokenizer, monkeypatch):
+    """A model that answers from the pixels scores 100% with its images and the majority guess with blank ones;
+    a sample without images is generated once and counts the same in both columns; eval.json holds it all."""
+    import json
+
+    import torch
+
+    from nanovlm.data.processing import SampleProcessor
+    from nanovlm.data.tokenizer import IM_END
+    from nanovlm.train.evaluate import blank_like, write_eval
+
+    user = {"role": "user", "content": "<image>\nWhat colour is it?"}
+    colours = ["red", "blue", "red", "green"]
+    records = [
+        Record(f"c{i}", [user, {"role": "assistant", "content": c}], [faults.png(seed=i)], {"answer": c, "task": "colour"})
+        for i, c in enumerate(colours)
+    ] + [Record("t0", [{"role": "user", "content": "Say yes."}, {"role": "assistant", "content": "yes"}], [],
+                {"answer": "yes", "task": "text"})]  # fmt: skip
+    write_dataset(records, tmp_path / "val", tiny_tokenizer, 16, samples_per_shard=8)
+    cfg = make_cfg([tmp_path / "val"], [tmp_path / "val"])
+    model = build_model(cfg.model, tiny_tokenizer)
+    eos = tiny_tokenizer.convert_tokens_to_ids(IM_END)
+    proc = SampleProcessor(tiny_tokenizer, cfg.model.vision.image_size, 16)
+    by_pixels = {proc.images(r.images).sum().item(): r.extra["answer"] for r in records if r.images}
+    blank = blank_like(proc.images(records[0].images), cfg.model.vision.image_mean)
+    assert blank.dtype == torch.uint8 and model.normalize(blank).abs().max() < 0.01  # the encoder sees ~zeros
+    calls = []
+
+    def looks(input_ids, pixel_values=None, max_new_tokens=32, eos_token_id=None, **kw):
+        calls.append(pixel_values is None)
+        if pixel_values is None:
+            answer = "yes"
+        else:  # the colour it was shown; for a blank image, always "red" (the majority answer)
+            answer = by_pixels.get(pixel_values.sum().item(), "red")
+        return torch.tensor([tiny_tokenizer.encode(answer, add_special_tokens=False) + [eos]])
+
+    monkeypatch.setattr(model, "generate", looks)
+    result = evaluate_answers(model, tiny_tokenizer, cfg, [str(tmp_path / "val")], limit=10)
+    assert len(calls) == 4 * 2 + 1  # two passes for each sample with images, one for the text-only sample
+    assert result["accuracy"] == 1.0 and result["accuracy_blank"] == pytest.approx(3 / 5)
+    assert result["vision_lift"] == pytest.approx(2 / 5)
+    colour = result["by_task"]["colour"]
+    assert (colour["n"], colour["accuracy"], colour["accuracy_blank"], colour["chance"]) == (4, 1.0, 0.5, 0.5)
+    assert result["by_task"]["text"]["accuracy_blank"] == 1.0 and result["by_task"]["text"]["with_images"] == 0
+    report = format_report(result)
+    assert "with blank images 60.0%: the images add +40.0 points" in report
+    assert "colour" in report and "(no images)" in report
+    saved = json.loads(write_eval(result, tmp_path / "run", step=7).read_text())
+    assert saved["step"] == 7 and saved["by_task"]["colour"]["accuracy_blank"] == 0.5 and len(saved["rows"]) == 5
+    without = evaluate_answers(model, tiny_tokenizer, cfg, [str(tmp_path / "val")], limit=10, blank_images=False)
+    assert without["accuracy_blank"] is None and "blank" not in format_report(without).splitlines()[0]
+
+
+def _demo_tasks(root, tasks: tuple[str, ...], n_train: int, n_val: int):
+    """A demo dataset of only ``tasks`` (their answers follow from the image alone) with its own tokenizer."""
+    import numpy as np
+
+    from nanovlm.data.demo import make_sample, tokenizer_texts
+    from nanovlm.data.tokenizer import build_tokenizer
+
+    def records(split: int, n: int):
+        for i in range(n):
+            rng = np.random.default_rng([7, split, i])
+            messages, images, extra = make_sample(tasks[i % len(tasks)], rng)
+            yield Record(f"demo-{'train' if split == 0 else 'val'}-{i:06d}", messages, images, extra)
+
+    train = list(records(0, n_train))
+    tok = build_tokenizer(root / "tokenizer", tokenizer_texts(train), vocab_size=512)
+    write_dataset(train, root / "train", tok, 16, samples_per_shard=500)
+    write_dataset(records(1, n_val), root / "val", tok, 16, samples_per_shard=500)
+
+
+@pytest.mark.slow
+def test_a_trained_model_gets_a_vision_lift_that_a_blind_one_cannot(tmp_path, monkeypatch):
+    """Briefly trained on questions only the image answers, the model gains most of its accuracy from the pixels;
+    with its image embeddings zeroed (a blind model: the image path broken) the same evaluation gives no lift."""
+    import torch
+
+    from nanovlm.config import load_config
+    from nanovlm.train.run import train
+
+    _demo_tasks(tmp_path / "d", ("colour", "background"), n_train=1200, n_val=60)
+    d = tmp_path / "d"
+    cfg = load_config(
+        ["tiny_cpu.yaml"],
+        [f"data.train=[{d}/train]", f"data.val=[{d}/val]", f"data.tokenizer={d}/tokenizer", "data.max_tokens=512",
+         "data.num_workers=0", "trainer.max_steps=150", "trainer.val_every_n_steps=0", "trainer.progress_bar=false",
+         "trainer.logger=none", "checkpoint.every_n_steps=0", f"trainer.run_dir={tmp_path}/run",
+         "trainer.eval_samples=60", "optim.warmup_steps=15"],
+    )  # fmt: skip
+    result = train(cfg)
+    ev = result.eval
+    assert ev["n"] == 60
+    chance = ev["chance"]  # (1/6 + 1/3) / 2
+    assert ev["accuracy"] >= 0.9, format_report(ev)
+    assert ev["vision_lift"] >= 0.5, format_report(ev)  # blank images: about chance
+    assert abs(ev["accuracy_blank"] - chance) <= 0.25, format_report(ev)
+    assert (tmp_path / "run" / "eval.json").is_file()
+
+    from nanovlm.data.datamodule import PackedMultimodalDataModule
+
+    tok = PackedMultimodalDataModule(cfg.data, cfg.model).tokenizer
+    model = build_model(cfg.model, tok)
+    state = torch.load(result.last_checkpoint, weights_only=True)["state_dict"]
+    model.load_state_dict({k.removeprefix("model."): v for k, v in state.items()})
+    encode = model.encode_images
+    monkeypatch.setattr(model, "encode_images", lambda pixels: torch.zeros_like(encode(pixels)))
+    blind = evaluate_answers(model, tok, cfg, cfg.data.val, limit=60)
+    assert blind["vision_lift"] == 0.0 and blind["accuracy"] <= chance + 0.25, format_report(blind)

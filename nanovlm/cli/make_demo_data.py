@@ -12,12 +12,14 @@ import os
 import time
 from collections.abc import Sequence
 
+from nanovlm.data.demo import TRAIN_SAMPLES, VAL_SAMPLES
+
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="scripts/make_demo_data.py", description=__doc__.split("\n\n")[0].strip("`"))
     p.add_argument("--output", default="data/demo", help="output directory (default: data/demo)")
-    p.add_argument("--train-samples", type=int, default=3000, help="training samples (default: 3000)")
-    p.add_argument("--val-samples", type=int, default=300, help="held-out samples (default: 300)")
+    p.add_argument("--train-samples", type=int, default=TRAIN_SAMPLES, help=f"training samples ({TRAIN_SAMPLES})")
+    p.add_argument("--val-samples", type=int, default=VAL_SAMPLES, help=f"held-out samples ({VAL_SAMPLES})")
     p.add_argument("--seed", type=int, default=0, help="generator seed (default: 0)")
     p.add_argument("--samples-per-shard", type=int, default=500, help="samples per tar shard (default: 500)")
     p.add_argument(

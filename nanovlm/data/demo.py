@@ -5,7 +5,7 @@ Each sample is drawn from its own RNG seeded by ``(seed, split, index)``, so the
 independent of generation order. A sample's short expected answer is stored as ``"answer"`` in its json (it
 equals the last assistant turn exactly), with ``"task"``; captions and long descriptions have no ``answer``.
 
-Tasks and their chance level (uniform guessing among the answers the task allows):
+Tasks (``TASKS``: the training mix weight and the answers each allows; chance = uniform guessing among them):
 
 =============  ===========================================================  ========
 task           question -> answer                                           chance
@@ -23,8 +23,9 @@ caption        Describe the image. -> one sentence                          -
 long           Describe the image in detail. -> 1..40 sentences (long tail) -
 =============  ===========================================================  ========
 
-With the task mix below, guessing gives about 31% mean accuracy over the samples that have an ``answer``
-(``CHANCE_ACCURACY``); a model that only learned the answer vocabulary of each question gets no more.
+The val split is balanced: every task equally often and, within a task, every answer equally often. Guessing
+(or answering without looking, as with blank images) gives exactly the task's chance there, a third overall
+(``CHANCE_ACCURACY``); whatever a model scores above that per visual task it took from the pixels.
 """
 
 from __future__ import annotations
@@ -50,26 +51,32 @@ COLOURS = {
 }
 BACKGROUNDS = {"black": (20, 20, 20), "gray": (128, 128, 128), "white": (235, 235, 235)}
 SHAPES = ("square", "circle", "triangle", "cross")
+SIZES = {"small": 0.4, "large": 0.7}  # a single shape's side as a fraction of the image's shorter side
 CORNERS = {"square": "four", "circle": "zero", "triangle": "three", "cross": "twelve"}
 NUMBERS = ("zero", "one", "two", "three", "four")
 SPLIT_IDS = {"train": 0, "val": 1}
+TRAIN_SAMPLES, VAL_SAMPLES = 3000, 396  # the default build; 396 = 11 tasks x 36, a multiple of every answer count
 
-# task -> (weight in the mix, chance accuracy); chance None = no short answer.
-TASKS: dict[str, tuple[float, float | None]] = {
-    "colour": (0.16, 1 / 6),
-    "shape": (0.16, 1 / 4),
-    "count": (0.12, 1 / 4),
-    "position": (0.08, 1 / 2),
-    "compare_size": (0.08, 1 / 2),
-    "same_colour": (0.06, 1 / 2),
-    "background": (0.06, 1 / 3),
-    "multi_turn": (0.06, 1 / 4),
-    "text_only": (0.04, 1 / 4),
-    "caption": (0.10, None),
-    "long": (0.08, None),
+# task -> (weight in the training mix, the short answers it allows; None: no short answer). The weights favour
+# what is slow to learn from pixels (shape, comparing the colours of two images) over what is quick (colour,
+# background, position): with 600-1000 steps of budget, this is what gets every task above 80%.
+TASKS: dict[str, tuple[float, tuple[str, ...] | None]] = {
+    "colour": (0.07, tuple(COLOURS)),
+    "shape": (0.30, SHAPES),
+    "count": (0.10, NUMBERS[1:]),
+    "position": (0.05, ("left", "right")),
+    "compare_size": (0.08, ("first", "second")),
+    "same_colour": (0.15, ("yes", "no")),
+    "background": (0.03, tuple(BACKGROUNDS)),
+    "multi_turn": (0.12, SHAPES),
+    "text_only": (0.02, tuple(dict.fromkeys(CORNERS.values()))),
+    "caption": (0.06, None),
+    "long": (0.02, None),
 }
-_ANSWERED = {t: w for t, (w, c) in TASKS.items() if c is not None}
-CHANCE_ACCURACY = sum(w * TASKS[t][1] for t, w in _ANSWERED.items()) / sum(_ANSWERED.values())
+CHANCE = {t: 1 / len(answers) for t, (_, answers) in TASKS.items() if answers}  # uniform guessing per task
+# The val split is balanced (every task equally often, each answer of a task equally often), so chance there is
+# the plain mean of the per-task chances, and a model that answers without looking scores exactly chance.
+CHANCE_ACCURACY = sum(CHANCE.values()) / len(CHANCE)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -114,10 +121,9 @@ def render(scene: dict, rng: np.random.Generator) -> bytes:
     draw = ImageDraw.Draw(img)
     fill = COLOURS[scene["colour"]]
     if scene["count"] == 1:
-        frac = 0.7 if scene["size"] == "large" else 0.4
-        s = frac * min(w, h)
-        cx = w * (0.27 if scene["side"] == "left" else 0.73) + rng.uniform(-0.05, 0.05) * w
-        cy = h * 0.5 + rng.uniform(-0.15, 0.15) * h
+        s = SIZES[scene["size"]] * min(w, h)
+        # a fixed place on its side: jittering it made the shape task need several times more steps to learn
+        cx, cy = w * (0.27 if scene["side"] == "left" else 0.73), h * 0.5
         cx = min(max(cx, s / 2 + 1), w - s / 2 - 1)
         _draw_shape(draw, scene["shape"], (cx - s / 2, cy - s / 2, cx + s / 2, cy + s / 2), fill)
     else:  # copies in distinct cells of a 2x2 grid
@@ -173,7 +179,21 @@ def long_description(scene: dict, rng: np.random.Generator) -> str:
 
 
 def _qa(image_prompt: str, question: str, answer: str) -> list[dict]:
-    return [{"role": "user", "content": f"{image_prompt}\n{question}"}, {"role": "assistant", "content": answer}]
+    return _turn(f"{image_prompt}\n{question}", answer)
+
+
+def _turn(question: str, answer: str) -> list[dict]:
+    return [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
+
+
+# The questions about one image: task -> (question, answer of a scene).
+QUESTIONS = {
+    "colour": ("What colour is the shape?", lambda s: s["colour"]),
+    "shape": ("What shape is this?", lambda s: s["shape"]),
+    "count": ("How many shapes are there?", lambda s: NUMBERS[s["count"]]),
+    "position": ("Is the shape on the left or the right?", lambda s: s["side"]),
+    "background": ("What colour is the background?", lambda s: s["background"]),
+}
 
 
 def make_sample(task: str, rng: np.random.Generator) -> tuple[list[dict], list[bytes], dict]:
@@ -187,34 +207,25 @@ def make_sample(task: str, rng: np.random.Generator) -> tuple[list[dict], list[b
         return msgs, [render(s, rng) for s in scenes], {"answer": answer, "task": task}
     if task == "same_colour":
         a, b = _scene(rng, count=1), _scene(rng, count=1)
-        if rng.random() < 0.5:
-            b["colour"] = a["colour"]
-        answer = "yes" if a["colour"] == b["colour"] else "no"
+        same = bool(rng.random() < 0.5)  # exactly even odds: a blind model gains nothing from the prior
+        b["colour"] = a["colour"] if same else str(rng.choice([c for c in COLOURS if c != a["colour"]]))
+        answer = "yes" if same else "no"
         msgs = _qa("<image><image>", "Do both shapes have the same colour?", answer)
         return msgs, [render(a, rng), render(b, rng)], {"answer": answer, "task": task}
     if task == "text_only":
         shape = str(rng.choice(SHAPES))
         answer = CORNERS[shape]
-        msgs = [
-            {"role": "user", "content": f"How many corners does a {shape} have?"},
-            {"role": "assistant", "content": answer},
-        ]
-        return msgs, [], {"answer": answer, "task": task}
-    scene = _scene(rng, count=1 if task == "position" else None)
+        return _turn(f"How many corners does a {shape} have?", answer), [], {"answer": answer, "task": task}
+    # count questions see 1..4 shapes equally often (elsewhere most scenes hold one shape)
+    scene = _scene(rng, count=1 if task == "position" else int(rng.integers(1, 5)) if task == "count" else None)
     image = [render(scene, rng)]
-    if task == "colour":
-        msgs = _qa("<image>", "What colour is the shape?", scene["colour"])
-    elif task == "shape":
-        msgs = _qa("<image>", "What shape is this?", scene["shape"])
-    elif task == "count":
-        msgs = _qa("<image>", "How many shapes are there?", NUMBERS[scene["count"]])
-    elif task == "position":
-        msgs = _qa("<image>", "Is the shape on the left or the right?", scene["side"])
-    elif task == "background":
-        msgs = _qa("<image>", "What colour is the background?", scene["background"])
+    if task in QUESTIONS:
+        question, answer = QUESTIONS[task]
+        msgs = _qa("<image>", question, answer(scene))
     elif task == "multi_turn":
-        msgs = _qa("<image>", "What colour is the shape?", scene["colour"])
-        msgs += [{"role": "user", "content": "And what shape is it?"}, {"role": "assistant", "content": scene["shape"]}]
+        msgs = _qa("<image>", "What colour is the shape?", scene["colour"]) + _turn(
+            "And what shape is it?", scene["shape"]
+        )
     elif task == "caption":
         msgs = [{"role": "user", "content": CAPTION_PROMPT}, {"role": "assistant", "content": caption(scene)}]
         return msgs, image, {"task": task}
@@ -227,15 +238,33 @@ def make_sample(task: str, rng: np.random.Generator) -> tuple[list[dict], list[b
 
 
 def generate_records(n: int, split: str = "train", seed: int = 0) -> Iterator[Record]:
-    """``n`` demo Records with keys ``demo-<split>-000000``...; sample i depends only on (seed, split, i)."""
+    """``n`` demo Records with keys ``demo-<split>-000000``...; sample i depends only on (seed, split, i).
+
+    train draws tasks by their mix weight; val cycles through the tasks and, within a task, through its answers
+    (drawing scenes until one has the answer due), so each task's held-out score is measured on equal footing.
+    """
     tasks = list(TASKS)
     weights = np.array([TASKS[t][0] for t in tasks])
     weights = weights / weights.sum()
     for i in range(n):
         rng = np.random.default_rng([seed, SPLIT_IDS[split], i])
-        task = tasks[int(rng.choice(len(tasks), p=weights))]
-        messages, images, extra = make_sample(task, rng)
+        if split == "train":
+            task = tasks[int(rng.choice(len(tasks), p=weights))]
+            messages, images, extra = make_sample(task, rng)
+        else:
+            task = tasks[i % len(tasks)]
+            messages, images, extra = _sample_with_answer(task, i // len(tasks), rng)
         yield Record(f"demo-{split}-{i:06d}", messages, images, extra)
+
+
+def _sample_with_answer(task: str, k: int, rng: np.random.Generator) -> tuple[list[dict], list[bytes], dict]:
+    """A sample of ``task`` whose answer is the task's k-th (cyclically); any sample for tasks without one."""
+    answers = TASKS[task][1]
+    for _ in range(1000):  # the rarest answer has odds 1/6: never near this bound
+        sample = make_sample(task, rng)
+        if not answers or sample[2]["answer"] == answers[k % len(answers)]:
+            return sample
+    raise RuntimeError(f"demo task {task!r} never produced answer {answers[k % len(answers)]!r}")
 
 
 def tokenizer_texts(records: list[Record]) -> list[str]:
@@ -245,8 +274,8 @@ def tokenizer_texts(records: list[Record]) -> list[str]:
 
 def make_demo_data(
     root: str | os.PathLike = "data/demo",
-    train_samples: int = 3000,
-    val_samples: int = 300,
+    train_samples: int = TRAIN_SAMPLES,
+    val_samples: int = VAL_SAMPLES,
     seed: int = 0,
     image_token_count: int = 16,
     samples_per_shard: int = 500,

@@ -1,17 +1,26 @@
-"""End-of-run evaluation: answer accuracy on held-out samples, next to chance, and a few generated answers.
+"""End-of-run evaluation: answer accuracy on held-out samples, with and without their images, next to chance.
 
 Uses validation samples whose json carries a short expected ``"answer"`` (the demo data does; so can yours).
 For each one the model greedily generates the last assistant turn from the conversation before it; the
 answer counts as correct when the generated text equals the expected one (case and surrounding punctuation
 ignored). Chance is the mean chance level of the evaluated samples' tasks when the data says its task (the
-demo data), else the accuracy of always answering the most common expected answer.
+demo data), else the accuracy of always answering the most common expected answer (per task when samples
+carry a ``"task"``).
+
+Every sample with images is answered a second time with each image replaced by a blank one (uniform at the
+normalisation mean, so the encoder sees zeros): the *vision lift*, accuracy with images minus accuracy with
+blank images, is what the model takes from the pixels rather than from the question's text prior. A model can
+score well above chance without looking (answer priors, text-only samples); the lift cannot be had that way.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import re
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -83,6 +92,18 @@ def _question(messages: list[dict]) -> str:
     return user[-1].replace("<image>", "").strip() if user else ""
 
 
+def blank_like(pixels: torch.Tensor, image_mean: list[float]) -> torch.Tensor:
+    """uint8 images of the same shape as ``pixels``, each a flat image at the normalisation mean: after
+    ``NanoVLM.normalize`` they are (close to) zero, an image that carries no information."""
+    mean = torch.tensor([round(255 * m) for m in image_mean], dtype=torch.uint8, device=pixels.device)
+    return mean.view(1, 3, 1, 1).expand_as(pixels).contiguous()
+
+
+def _generate_text(model, tokenizer, prompt: torch.Tensor, pixels, budget: int, eos: int) -> str:
+    new = model.generate(prompt, pixels, max_new_tokens=budget, eos_token_id=eos)[0].tolist()
+    return tokenizer.decode([t for t in new if t != eos], skip_special_tokens=True).strip()
+
+
 @torch.no_grad()
 def evaluate_answers(
     model: torch.nn.Module,
@@ -91,12 +112,15 @@ def evaluate_answers(
     directories: list[str],
     limit: int,
     max_new_tokens: int | None = None,
+    blank_images: bool = True,
 ) -> dict[str, Any]:
-    """Greedy-decode the final answer of up to ``limit`` held-out samples. Returns accuracy, chance and rows.
+    """Greedy-decode the final answer of up to ``limit`` held-out samples, with their images and (when
+    ``blank_images``) with blank ones. Returns accuracy, accuracy_blank, chance, per-task figures and rows.
 
     ``max_new_tokens`` None: per sample, the expected answer's token count + ANSWER_MARGIN (an exact match needs
     no more; a fixed small budget could never match a long answer such as a caption). Always capped so prompt +
-    answer fit the model's context; a prompt that leaves no room is skipped as ``overlength``.
+    answer fit the model's context; a prompt that leaves no room is skipped as ``overlength``. A sample without
+    images is answered once: its blank-image answer is the same generation.
 
     Samples that cannot be read or processed (e.g. an unreadable image) are skipped, logged and counted in
     ``skipped`` (by reason), as the validation loader skips them.
@@ -136,39 +160,85 @@ def evaluate_answers(
                     skipped, SampleError("overlength", record.key, "the prompt fills the model's context"), record.key
                 )
                 continue
-            new = model.generate(prompt, pixels, max_new_tokens=budget, eos_token_id=eos)[0].tolist()
-            text = tokenizer.decode([t for t in new if t != eos], skip_special_tokens=True)
-            rows.append(
-                {
-                    "key": record.key,
-                    "task": record.extra.get("task"),
-                    "question": _question(record.messages),
-                    "expected": expected,
-                    "generated": text.strip(),
-                    "correct": normalize_answer(text) == normalize_answer(expected),
-                }
-            )
+            text = _generate_text(model, tokenizer, prompt, pixels, budget, eos)
+            row = {
+                "key": record.key,
+                "task": record.extra.get("task"),
+                "images": len(record.images),
+                "question": _question(record.messages),
+                "expected": expected,
+                "generated": text,
+                "correct": normalize_answer(text) == normalize_answer(expected),
+            }
+            if blank_images:
+                blank = text
+                if pixels is not None:
+                    blanks = blank_like(pixels, cfg.model.vision.image_mean)
+                    blank = _generate_text(model, tokenizer, prompt, blanks, budget, eos)
+                row["generated_blank"] = blank
+                row["correct_blank"] = normalize_answer(blank) == normalize_answer(expected)
+            rows.append(row)
     finally:
         model.train(was_training)
-    n = len(rows)
-    accuracy = sum(r["correct"] for r in rows) / n if n else 0.0
-    return {"n": n, "accuracy": accuracy, "chance": chance_level(rows), "rows": rows, "skipped": dict(skipped)}
+    return summarize(rows, dict(skipped))
+
+
+def _mean(values) -> float | None:
+    values = list(values)
+    return sum(values) / len(values) if values else None
+
+
+def summarize(rows: list[dict], skipped: dict[str, int] | None = None) -> dict[str, Any]:
+    """Accuracy with and without images, overall and per task, next to chance (the result of evaluate_answers)."""
+    has_blank = bool(rows) and all("correct_blank" in r for r in rows)
+    groups: dict[str, list[dict]] = {}
+    for r in rows:
+        groups.setdefault(r["task"] or "all", []).append(r)
+    by_task = {
+        task: {
+            "n": len(g),
+            "accuracy": _mean(r["correct"] for r in g),
+            "accuracy_blank": _mean(r["correct_blank"] for r in g) if has_blank else None,
+            "chance": chance_level(g),
+            "with_images": sum(r["images"] > 0 for r in g),
+        }
+        for task, g in sorted(groups.items())
+    }
+    accuracy = _mean(r["correct"] for r in rows)
+    accuracy_blank = _mean(r["correct_blank"] for r in rows) if has_blank else None
+    return {
+        "n": len(rows),
+        "accuracy": accuracy or 0.0,
+        "accuracy_blank": accuracy_blank,
+        "vision_lift": None if accuracy_blank is None else accuracy - accuracy_blank,
+        "chance": chance_level(rows),
+        "by_task": by_task,
+        "rows": rows,
+        "skipped": dict(skipped or {}),
+    }
 
 
 _DEMO_KEY = re.compile(r"demo-(train|val)-\d{6}")  # the keys make_demo_data writes
 
 
 def chance_level(rows: list[dict]) -> float | None:
-    """The demo's per-task chance on demo samples; elsewhere, always answering the most common expected answer."""
+    """The demo's per-task chance on demo samples; elsewhere, always answering the most common expected answer
+    of each task (of all samples when they name no task)."""
     if not rows:
         return None
     if all(r["task"] is not None and _DEMO_KEY.fullmatch(str(r["key"])) for r in rows):  # not a user task "count"
-        from nanovlm.data.demo import TASKS
+        from nanovlm.data.demo import CHANCE
 
-        if all(r["task"] in TASKS and TASKS[r["task"]][1] is not None for r in rows):
-            return sum(TASKS[r["task"]][1] for r in rows) / len(rows)
-    majority = Counter(normalize_answer(r["expected"]) for r in rows).most_common(1)[0][1]
-    return majority / len(rows)
+        if all(r["task"] in CHANCE for r in rows):
+            return sum(CHANCE[r["task"]] for r in rows) / len(rows)
+    by_task: dict[Any, Counter] = {}
+    for r in rows:
+        by_task.setdefault(r["task"], Counter())[normalize_answer(r["expected"])] += 1
+    return sum(c.most_common(1)[0][1] for c in by_task.values()) / len(rows)
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{x:.1%}"
 
 
 def format_report(result: dict[str, Any], examples: int = 6) -> str:
@@ -182,26 +252,49 @@ def format_report(result: dict[str, Any], examples: int = 6) -> str:
     )
     if not rows:
         return "[eval] no held-out samples with an 'answer' field: skipped" + skip_note
-    chance = result["chance"]
+    chance, blank = result["chance"], result.get("accuracy_blank")
     lines = [
         f"[eval] held-out answer accuracy: {result['accuracy']:.1%} on {result['n']} samples"
         + (f" (chance {chance:.1%})" if chance is not None else "")
+        + (
+            f"; with blank images {blank:.1%}: the images add {100 * result['vision_lift']:+.1f} points"
+            if blank is not None
+            else ""
+        )
         + skip_note
     ]
-    by_task: dict[str, list[bool]] = {}
-    for r in rows:
-        by_task.setdefault(r["task"] or "all", []).append(r["correct"])
-    if len(by_task) > 1:
-        lines.append("[eval] by task: " + ", ".join(f"{t} {sum(v)}/{len(v)}" for t, v in sorted(by_task.items())))
+    by_task = result["by_task"]
+    if len(by_task) > 1 or blank is not None:
+        width = max(len(t) for t in by_task)
+        lines.append(f"[eval] {'task':{width}}  {'n':>4}  {'images':>7}  {'blank':>7}  {'chance':>7}")
+        for task, t in by_task.items():
+            lines.append(
+                f"[eval] {task:{width}}  {t['n']:>4}  {_pct(t['accuracy']):>7}  {_pct(t['accuracy_blank']):>7}  "
+                f"{_pct(t['chance']):>7}" + ("" if t["with_images"] else "  (no images)")
+            )
     for r in rows[:examples]:
         mark = "ok " if r["correct"] else "bad"
         lines.append(f"  [{mark}] {r['question'][:60]!r:64} expected {r['expected']!r:10} got {r['generated']!r}")
     return "\n".join(lines)
 
 
+EVAL_FILE = "eval.json"  # in trainer.run_dir, next to config.yaml and csv/
+
+
+def write_eval(result: dict[str, Any], run_dir: str | Path, step: int) -> Path:
+    """The evaluation as JSON (figures and every row), written atomically into the run directory."""
+    path = Path(run_dir) / EVAL_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps({"step": step, **result}, indent=1) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
 def evaluate_at_end(cfg: Config, module: Any, datamodule: Any, trainer: Any) -> dict[str, Any] | None:
     """Run ``evaluate_answers`` on rank 0 after training (single process or DDP; FSDP shards the weights,
-    so there it is skipped with a message). Prints the report and returns the result on rank 0."""
+    so there it is skipped with a message). Prints the report, writes it to ``<run_dir>/eval.json`` and
+    returns the result on rank 0."""
     if not cfg.data.val or cfg.trainer.eval_samples <= 0:
         return None
     if cfg.trainer.strategy == "fsdp":
@@ -215,6 +308,7 @@ def evaluate_at_end(cfg: Config, module: Any, datamodule: Any, trainer: Any) -> 
     result = None
     if trainer.is_global_zero:
         result = evaluate_answers(module.model, datamodule.tokenizer, cfg, cfg.data.val, cfg.trainer.eval_samples)
-        print(format_report(result), flush=True)
+        path = write_eval(result, cfg.trainer.run_dir, trainer.global_step)
+        print(format_report(result) + f"\n[eval] written to {path}", flush=True)
     trainer.strategy.barrier("eval_at_end")
     return result
