@@ -201,8 +201,9 @@ def test_init_from_starts_a_new_stage_from_the_weights_only(small_demo, tmp_path
     first, second = tmp_path / "stage1", tmp_path / "stage2"
     run_train(small_demo, first, "trainer.max_steps=2")
     source = first / "checkpoints" / checkpoint_name(2)
-    # lr 0: the weights cannot move, so the new run's checkpoint holds exactly what it started from
-    stage2 = [f"checkpoint.init_from={source}", "trainer.max_steps=1", "optim.lr=0", "optim.weight_decay=0"]
+    # lr 0 (vision_lr 0: the same lr): the weights cannot move, so the new run's checkpoint holds exactly what it started from
+    stage2 = [f"checkpoint.init_from={source}", "trainer.max_steps=1", "optim.lr=0", "optim.vision_lr=0"]
+    stage2 += ["optim.weight_decay=0"]
     out = run_train(small_demo, second, *stage2)
     assert f"[init] model weights from {source} (new optimizer, step 0)" in out
     got, want = final_weights(second, 1), final_weights(first, 2)

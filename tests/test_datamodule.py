@@ -20,11 +20,11 @@ from nanovlm.data.index import load_index, read_sample
 from nanovlm.data.processing import SampleProcessor
 from nanovlm.data.producer import ProducerError
 
-IMAGE_TOKENS = 16  # tiny_cpu.yaml: 32 px images, 4 px patches, pixel shuffle 2
+IMAGE_TOKENS = 16  # 32 px images, 4 px patches, pixel shuffle 2: the sample sizes these tests are built around
 
 
 def make_cfg(train, val=(), **data):
-    cfg = load_config(["tiny_cpu.yaml"])
+    cfg = load_config(["tiny_cpu.yaml"], ["model.projector.pixel_shuffle_factor=2"])
     cfg.data.train = [str(d) for d in train]
     cfg.data.val = [str(d) for d in val]
     cfg.data.max_tokens = 256
