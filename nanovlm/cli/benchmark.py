@@ -1,7 +1,7 @@
 """``scripts/benchmark.py``: packing quality, data pipeline, training throughput and resume cost, side by side.
 
     python scripts/benchmark.py --quick --json runs/bench/quick.json            # < 2 min on 2 CPU cores
-    python scripts/benchmark.py --json runs/bench/full.json --plot docs/fill.png  # the README numbers
+    python scripts/benchmark.py --json runs/bench/full.json --plot docs/fill.png  # the numbers in docs/performance.md
     python scripts/benchmark.py --sections packing --index data/my_set/train     # packing on your own data
     python scripts/benchmark.py --sections train --device cuda --preset model_222m.yaml
 

@@ -1,6 +1,6 @@
 """Processed samples -> the batch dicts the model consumes.
 
-``collate_packed`` builds the packed batch of docs/internals.md: one row of exactly ``max_tokens`` slots (a fixed
+``collate_packed`` builds the packed batch of docs/data.md: one row of exactly ``max_tokens`` slots (a fixed
 shape, so compiled kernels and memory stay steady), samples concatenated, the padding tail its own segment,
 positions restarting per segment, and each sample's first label set to -100 so the shifted loss never predicts
 across a sample boundary. ``collate_padded`` is the [B, L] layout of the padded baselines.

@@ -1,6 +1,6 @@
 """Draw packed batches: one row per pack, a colour per sample, image and loss-masked tokens marked, fill %.
 
-Works on the batch dicts of docs/internals.md: packed ``[1, T]`` batches (segments from ``cu_seqlens``; the
+Works on the batch dicts of docs/data.md: packed ``[1, T]`` batches (segments from ``cu_seqlens``; the
 segments after the ``len(sample_keys)`` real ones are the padding tail) and the ``[B, L]`` padded baselines
 (one sample per row, real length from ``attention_mask``).
 """

@@ -1,0 +1,70 @@
+"""The README and docs/ link to each other by file and heading; a moved section or renamed heading breaks those links
+silently (GitHub renders a dead link without complaint). This checks every relative link and image resolves, every
+``#anchor`` names a heading of its target, and the README stays a short front door (the manual lives in docs/)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+MAX_README_LINES = 300
+
+FENCE = re.compile(r"^[ \t]*(```|~~~).*?^[ \t]*\1", re.M | re.S)  # fenced code blocks: no links or headings inside
+INLINE_CODE = re.compile(r"`[^`\n]*`")
+LINK = re.compile(r"!?\[[^\]]*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")  # [text](target) and ![alt](target)
+HEADING = re.compile(r"^#{1,6}\s+(.+?)\s*#*\s*$", re.M)
+EXTERNAL = ("http://", "https://", "mailto:")
+
+
+def prose(path: Path) -> str:
+    """The page's text without code blocks, where ``#`` and ``[x](y)`` are not markdown."""
+    return FENCE.sub("", path.read_text(encoding="utf-8"))
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor for a heading: lowercase, punctuation dropped (hyphens kept), spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def anchors(path: Path) -> set[str]:
+    """Every heading anchor of a page, with GitHub's ``-1``, ``-2`` suffixes for repeated headings."""
+    seen: dict[str, int] = {}
+    found = set()
+    for heading in HEADING.findall(prose(path)):
+        base = slug(heading)
+        n = seen.get(base, 0)
+        seen[base] = n + 1
+        found.add(base if n == 0 else f"{base}-{n}")
+    return found
+
+
+def links(path: Path) -> list[str]:
+    return LINK.findall(INLINE_CODE.sub("", prose(path)))
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_relative_links_and_anchors_resolve(page: Path) -> None:
+    broken = []
+    for target in links(page):
+        if target.startswith(EXTERNAL):
+            continue
+        file_part, _, anchor = target.partition("#")
+        dest = (page.parent / file_part).resolve() if file_part else page
+        if not dest.exists():
+            broken.append(f"{target}: no file {dest}")
+        elif anchor and dest.suffix == ".md" and anchor not in anchors(dest):
+            broken.append(f"{target}: no heading #{anchor} in {dest.relative_to(ROOT)}")
+    assert not broken, f"broken links in {page.relative_to(ROOT)}:\n" + "\n".join(broken)
+
+
+def test_every_page_is_checked() -> None:
+    assert len(PAGES) > 1 and all(p.exists() for p in PAGES)
+
+
+def test_readme_is_a_short_front_door() -> None:
+    n = len((ROOT / "README.md").read_text(encoding="utf-8").splitlines())
+    assert n <= MAX_README_LINES, f"README.md has {n} lines (at most {MAX_README_LINES}): move detail to docs/"
