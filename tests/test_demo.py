@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from nanovlm.constants import IMAGE_TOKEN
 from nanovlm.data.demo import (
     BACKGROUNDS,
     CHANCE_ACCURACY,
@@ -19,7 +20,6 @@ from nanovlm.data.demo import (
     generate_records,
     make_demo_data,
 )
-from nanovlm.data.format import IMAGE_PLACEHOLDER
 from nanovlm.data.index import load_index, read_sample
 from nanovlm.data.tokenizer import load_tokenizer, tokenizer_fingerprint
 
@@ -54,7 +54,7 @@ def test_answers_are_determined_by_the_image():
     for r in generate_records(300, "train", seed=3):
         task = r.extra["task"]
         counts[task] += 1
-        assert sum(m["content"].count(IMAGE_PLACEHOLDER) for m in r.messages) == len(r.images)
+        assert sum(m["content"].count(IMAGE_TOKEN) for m in r.messages) == len(r.images)
         if "answer" in r.extra:
             assert r.extra["answer"] == r.messages[-1]["content"]
         if task in ("colour", "multi_turn"):

@@ -8,8 +8,9 @@ import pytest
 import torch
 from PIL import Image
 
+from nanovlm.constants import IGNORE_INDEX
 from nanovlm.data.format import Record, SampleError
-from nanovlm.data.processing import IGNORE_INDEX, SampleProcessor, decode_image, resize_image
+from nanovlm.data.processing import SampleProcessor, decode_image, resize_image
 
 IMG_TOKENS = 4
 

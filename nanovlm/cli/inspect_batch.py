@@ -15,7 +15,7 @@ import argparse
 from collections.abc import Sequence
 from pathlib import Path
 
-IGNORE_INDEX = -100
+from nanovlm.constants import IGNORE_INDEX, IMAGE_TOKEN
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -160,7 +160,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     dm = PackedMultimodalDataModule(cfg.data, cfg.model)
     dm.setup("fit")
     tok = dm.tokenizer
-    image_token_id = tok.convert_tokens_to_ids("<image>")
+    image_token_id = tok.convert_tokens_to_ids(IMAGE_TOKEN)
     if args.val:  # the training plan would describe other data
         print(
             f"validation: {len(dm.val_table)} samples from {', '.join(cfg.data.val)}"

@@ -14,7 +14,7 @@ from typing import Any, Protocol
 
 import torch
 
-IGNORE_INDEX = -100
+from nanovlm.constants import IGNORE_INDEX
 
 
 class _Sample(Protocol):  # structural view of processing.ProcessedSample

@@ -23,10 +23,11 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-IMAGE_PLACEHOLDER = "<image>"
+from nanovlm.constants import IMAGE_TOKEN
+
 ROLES = ("system", "user", "assistant")
 # The user turn of a caption sample: the image, then a fixed instruction (so captioning is a task of its own).
-CAPTION_PROMPT = IMAGE_PLACEHOLDER + "\nDescribe the image."
+CAPTION_PROMPT = IMAGE_TOKEN + "\nDescribe the image."
 # Image member suffixes we decode (by content: the suffix only marks a member as an image).
 IMAGE_SUFFIXES = ("jpg", "jpeg", "png", "webp", "gif", "bmp", "tif", "tiff", "ppm", "pgm", "pbm")
 # Members that could execute code when loaded by other tools; never read, documented so nobody adds them.
@@ -86,7 +87,7 @@ def validate_messages(messages: Any, n_images: int, key: str = "") -> list[dict]
         if content.strip():
             has_text = True
             has_answer = has_answer or role == "assistant"
-        n_placeholders += content.count(IMAGE_PLACEHOLDER)
+        n_placeholders += content.count(IMAGE_TOKEN)
         clean.append({"role": role, "content": content})
     if not has_text:
         raise SampleError("empty_conversation", key)
@@ -131,10 +132,10 @@ def _llava_messages(conversations: Any, n_images: int, key: str) -> list[dict]:
             raise SampleError("bad_role", key, f"'from' {turn.get('from')!r} is not human/gpt/system")
         messages.append({"role": role, "content": turn["value"]})
     # LLaVA convention: an image with no placeholder belongs before the first user turn's text.
-    if n_images and not any(IMAGE_PLACEHOLDER in m["content"] for m in messages):
+    if n_images and not any(IMAGE_TOKEN in m["content"] for m in messages):
         for m in messages:
             if m["role"] == "user":
-                m["content"] = "\n".join([IMAGE_PLACEHOLDER] * n_images) + "\n" + m["content"]
+                m["content"] = "\n".join([IMAGE_TOKEN] * n_images) + "\n" + m["content"]
                 break
     return messages
 

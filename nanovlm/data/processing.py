@@ -26,10 +26,10 @@ import numpy as np
 import torch
 from PIL import Image, ImageOps, UnidentifiedImageError
 
-from nanovlm.data.format import IMAGE_PLACEHOLDER, Record, SampleError
-from nanovlm.data.tokenizer import IM_END, IM_START, IMAGE_TOKEN, plain_text_tokenizer
+from nanovlm.constants import IGNORE_INDEX, IMAGE_TOKEN
+from nanovlm.data.format import Record, SampleError
+from nanovlm.data.tokenizer import IM_END, IM_START, plain_text_tokenizer
 
-IGNORE_INDEX = -100
 LETTERBOX_FILL = (128, 128, 128)  # ~the normalisation mean, so padding is ~0 after normalisation
 CACHED_PIECES = 4096  # text pieces whose token ids are kept (see SampleProcessor._encode_text)
 CACHED_PIECE_CHARS = 256  # longer pieces are rarely repeated: always tokenized
@@ -208,7 +208,7 @@ class SampleProcessor:
         """Content ids and a mask of which are image tokens."""
         ids: list[int] = []
         is_image: list[bool] = []
-        for i, piece in enumerate(content.split(IMAGE_PLACEHOLDER)):
+        for i, piece in enumerate(content.split(IMAGE_TOKEN)):
             if i > 0:
                 ids += [self.image_token_id] * per_image
                 is_image += [True] * per_image
@@ -286,7 +286,7 @@ class SampleProcessor:
         """
         if overlength not in ("drop", "truncate"):
             raise ValueError(f"overlength must be 'drop' or 'truncate', got {overlength!r}")
-        n_placeholders = sum(m["content"].count(IMAGE_PLACEHOLDER) for m in record.messages)
+        n_placeholders = sum(m["content"].count(IMAGE_TOKEN) for m in record.messages)
         if n_placeholders != len(record.images):
             raise SampleError(
                 "image_count_mismatch", record.key, f"{n_placeholders} placeholders, {len(record.images)} images"

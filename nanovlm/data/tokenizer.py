@@ -15,7 +15,8 @@ from pathlib import Path
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
-IMAGE_TOKEN = "<image>"
+from nanovlm.constants import IMAGE_TOKEN
+
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
 PAD_TOKEN = "<|pad|>"

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-IGNORE_INDEX = -100
+from nanovlm.constants import IGNORE_INDEX
+
 # Token categories of a row.
 UNUSED, PROMPT, LOSS, IMAGE = 0, 1, 2, 3
 

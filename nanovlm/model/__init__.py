@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 
 from nanovlm.config import ModelConfig, image_token_count
+from nanovlm.constants import IMAGE_TOKEN
 from nanovlm.model.attention import BackendUnavailableError, resolve_backend
 from nanovlm.model.pretrained import (
     CheckpointMismatchError,
@@ -38,8 +39,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-IMAGE_TOKEN = "<image>"
 
 
 def resolve_vocab_size(model_cfg: ModelConfig, tokenizer) -> int:

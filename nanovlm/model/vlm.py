@@ -18,11 +18,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from nanovlm.config import ModelConfig, image_token_count
+from nanovlm.constants import IGNORE_INDEX
 from nanovlm.model.language import KVCache, LanguageModel, RMSNorm
 from nanovlm.model.projector import Projector
 from nanovlm.model.vision import VisionEncoder
-
-IGNORE_INDEX = -100
 
 
 def loss_rows(labels: torch.Tensor) -> torch.Tensor:

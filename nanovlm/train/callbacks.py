@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from nanovlm.config import Config, ModelConfig
+from nanovlm.constants import IGNORE_INDEX
 from nanovlm.model import batch_flops
 
 # Dense bf16 peak TFLOP/s per device, by a substring of torch.cuda.get_device_name() (checked in order, so the
@@ -86,7 +87,7 @@ def batch_stats(batch: dict) -> dict[str, float]:
         loss_tokens = int(meta["loss_tokens"])
     else:  # labels are unshifted: position t predicts labels[t + 1]
         labels = batch.get("labels")
-        loss_tokens = 0 if labels is None else int((labels[:, 1:] != -100).sum())
+        loss_tokens = 0 if labels is None else int((labels[:, 1:] != IGNORE_INDEX).sum())
     return {
         "real_tokens": real,
         "seq_sq": seq_sq,

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from nanovlm.config import Config, image_token_count
+from nanovlm.constants import IMAGE_TOKEN
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +90,7 @@ def _skip(skips: Counter | None, err: Exception, where: str) -> None:
 def _question(messages: list[dict]) -> str:
     """The last user turn before the answer ('' when the conversation has none)."""
     user = [m["content"] for m in messages[:-1] if m["role"] == "user"]
-    return user[-1].replace("<image>", "").strip() if user else ""
+    return user[-1].replace(IMAGE_TOKEN, "").strip() if user else ""
 
 
 def blank_like(pixels: torch.Tensor, image_mean: list[float]) -> torch.Tensor:

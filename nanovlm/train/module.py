@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from nanovlm.config import Config
+from nanovlm.constants import IMAGE_TOKEN
 from nanovlm.train import optim, strategies
 
 
@@ -30,7 +31,7 @@ def build_model(cfg: Config, tokenizer: Any) -> nn.Module:
     from nanovlm.model.vlm import NanoVLM
 
     vocab = cfg.model.language.vocab_size or (len(tokenizer) + 63) // 64 * 64
-    return NanoVLM(cfg.model, vocab, tokenizer.convert_tokens_to_ids("<image>"))
+    return NanoVLM(cfg.model, vocab, tokenizer.convert_tokens_to_ids(IMAGE_TOKEN))
 
 
 def _rng_state() -> dict[str, Any]:
