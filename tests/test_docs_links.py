@@ -68,3 +68,34 @@ def test_every_page_is_checked() -> None:
 def test_readme_is_a_short_front_door() -> None:
     n = len((ROOT / "README.md").read_text(encoding="utf-8").splitlines())
     assert n <= MAX_README_LINES, f"README.md has {n} lines (at most {MAX_README_LINES}): move detail to docs/"
+
+
+def documented_batch() -> tuple[set[str], set[str]]:
+    """The batch keys (first column of the table under "### The batch") and the ``meta`` keys its prose names."""
+    text = (ROOT / "docs" / "data.md").read_text(encoding="utf-8")
+    section = text.split("### The batch", 1)[1].split("\n### ", 1)[0]
+    keys = {k for row in re.findall(r"^\| (`.+?) \|", section, re.M) for k in re.findall(r"`(\w+)`", row)}
+    meta_prose = section.split("`meta` holds", 1)[1].split("\n\n", 1)[0]
+    meta = set(re.findall(r"`(\w+)", meta_prose))  # `epoch_end: True` names epoch_end
+    return keys, meta
+
+
+def test_the_documented_batch_is_the_batch_the_loader_yields(tmp_path, make_dataset, tiny_tokenizer):
+    """The batch contract is written once, in docs/data.md: its keys and meta keys are what a packed epoch yields."""
+    from nanovlm.config import load_config
+    from nanovlm.data import PackedMultimodalDataModule
+
+    make_dataset(tmp_path / "train", 40, image_token_count=4)
+    cfg = load_config(["tiny_cpu.yaml"], [f"data.train=[{tmp_path / 'train'}]", "data.val=[]", "data.max_tokens=256"])
+    cfg.data.num_workers = 0
+    dm = PackedMultimodalDataModule(cfg.data, cfg.model, tiny_tokenizer)
+    dm.setup("fit")
+    keys, meta = set(), set()
+    for batch in dm.train_dataloader():  # one epoch: first packs, skips and the epoch end all occur
+        keys |= batch.keys()
+        meta |= batch["meta"].keys()
+        if batch["meta"].get("epoch_end"):
+            break
+    doc_keys, doc_meta = documented_batch()
+    assert keys == doc_keys - {"attention_mask"}  # attention_mask: padded baselines only, as the page says
+    assert meta == doc_meta
