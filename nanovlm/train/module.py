@@ -18,20 +18,8 @@ import torch.distributed as dist
 from torch import nn
 
 from nanovlm.config import Config
-from nanovlm.constants import IMAGE_TOKEN
+from nanovlm.model import build_model
 from nanovlm.train import optim, strategies
-
-
-def build_model(cfg: Config, tokenizer: Any) -> nn.Module:
-    """The NanoVLM for ``cfg.model`` with the tokenizer's vocabulary and ``<image>`` id."""
-    import nanovlm.model as model_pkg
-
-    if hasattr(model_pkg, "build_model"):
-        return model_pkg.build_model(cfg.model, tokenizer)
-    from nanovlm.model.vlm import NanoVLM
-
-    vocab = cfg.model.language.vocab_size or (len(tokenizer) + 63) // 64 * 64
-    return NanoVLM(cfg.model, vocab, tokenizer.convert_tokens_to_ids(IMAGE_TOKEN))
 
 
 def _rng_state() -> dict[str, Any]:
@@ -83,7 +71,7 @@ class VLMModule(pl.LightningModule):
     def __init__(self, cfg: Config, tokenizer: Any = None, model: nn.Module | None = None) -> None:
         super().__init__()
         self.cfg = cfg
-        self.model = model if model is not None else build_model(cfg, tokenizer)
+        self.model = model if model is not None else build_model(cfg.model, tokenizer)
         optim.apply_freezing(self.model, cfg.optim)
         # NanoVLM runs the LM head only where a loss is taken; a custom model without that option still works
         self.head_on_loss_positions = "return_logits" in inspect.signature(self.model.forward).parameters
