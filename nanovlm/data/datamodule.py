@@ -293,16 +293,7 @@ class PackedMultimodalDataModule(L.LightningDataModule):
         self._rank_arg, self._world_arg, self._pin_arg = rank, world_size, pin_memory
         self.image_token_count = image_token_count(model_cfg)
         self.image_size = model_cfg.vision.image_size
-        self.spec = PackSpec(
-            mode=data_cfg.packing,
-            max_tokens=data_cfg.max_tokens,
-            max_images=data_cfg.max_images,
-            lookahead=data_cfg.lookahead,
-            max_carry=data_cfg.max_carry,
-            overlength=data_cfg.overlength,
-            batch_size=data_cfg.batch_size,
-            pad_cutoff=data_cfg.pad_cutoff,
-        )
+        self.spec = PackSpec.from_config(data_cfg)
         self.rank, self.world_size = 0, 1
         self.table: SampleTable | None = None
         self.val_table: SampleTable | None = None

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from nanovlm.config import DataConfig
 from nanovlm.data import packing
 
 
@@ -148,16 +149,21 @@ class Topology:
 
 @dataclass(frozen=True)
 class PackSpec:
-    """How a slot's samples become batches (the packing part of DataConfig)."""
+    """How a slot's samples become batches: the packing part of DataConfig (its defaults are DataConfig's)."""
 
-    mode: str = "packed"  # packed | pad_to_longest | constrained
-    max_tokens: int = 4096
-    max_images: int = 16
-    lookahead: int = 64
-    max_carry: int = 8
-    overlength: str = "drop"
-    batch_size: int = 8  # padded baselines only
-    pad_cutoff: int = 0  # constrained only; 0 = max_tokens
+    mode: str = DataConfig.packing  # packed | pad_to_longest | constrained
+    max_tokens: int = DataConfig.max_tokens
+    max_images: int = DataConfig.max_images
+    lookahead: int = DataConfig.lookahead
+    max_carry: int = DataConfig.max_carry
+    overlength: str = DataConfig.overlength
+    batch_size: int = DataConfig.batch_size  # padded baselines only
+    pad_cutoff: int = DataConfig.pad_cutoff  # constrained only; 0 = max_tokens
+
+    @classmethod
+    def from_config(cls, d: DataConfig) -> PackSpec:
+        fields = (d.packing, d.max_tokens, d.max_images, d.lookahead, d.max_carry, d.overlength, d.batch_size)
+        return cls(*fields, pad_cutoff=d.pad_cutoff)
 
     @property
     def limit(self) -> int:
