@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from nanovlm.config import Config, ModelConfig
 from nanovlm.constants import IGNORE_INDEX
+from nanovlm.data.datamodule import DataPositionCallback
 from nanovlm.model import batch_flops
 
 # Dense bf16 peak TFLOP/s per device, by a substring of torch.cuda.get_device_name() (checked in order, so the
@@ -98,9 +99,9 @@ def batch_stats(batch: dict) -> dict[str, float]:
     }
 
 
-class DataProgress(pl.Callback):
-    """Tells the DataModule which batch was trained (so a checkpoint stores the trained position, not the
-    prefetched one) and appends one line per micro-batch to ``<run_dir>/steps.jsonl`` (rank r > 0:
+class DataProgress(DataPositionCallback):
+    """Tells the DataModule which batch was trained (DataPositionCallback: a checkpoint stores the trained
+    position, not the prefetched one) and appends one line per micro-batch to ``<run_dir>/steps.jsonl`` (rank r > 0:
     ``steps.rank<r>.jsonl``): optimizer step, micro-batch index, sample keys, loss (exact float)."""
 
     def __init__(self, run_dir: str | Path, accumulate: int) -> None:
@@ -125,9 +126,7 @@ class DataProgress(pl.Callback):
         self._file = open(path, "a", buffering=1)  # noqa: SIM115 (kept open for the whole run)
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs, batch, batch_idx) -> None:
-        dm = trainer.datamodule
-        if dm is not None and hasattr(dm, "on_batch_consumed"):
-            dm.on_batch_consumed(batch)
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
         loss = getattr(pl_module, "last_loss", None)
         record = {
             "step": self.micro // self.accumulate + 1,
