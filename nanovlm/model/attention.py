@@ -140,15 +140,7 @@ def _sdpa(q, k, v, cu_seqlens, max_seqlen, causal):
         q4, k4, v4 = (t.view(n, max_seqlen, heads, dim).transpose(1, 2) for t in (q, k, v))
         out = F.scaled_dot_product_attention(q4, k4, v4, is_causal=causal)
         return out.transpose(1, 2).reshape(total, heads, dim)
-    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
-    if len(set(lengths)) < len(lengths):  # segments of the same length share one batched call
-        return _sdpa_by_length(q, k, v, lengths, causal)
-    outs = []
-    # split (not slicing): its backward is one cat, instead of a full-size zero tensor per segment
-    for q1, k1, v1 in zip(q.split(lengths), k.split(lengths), v.split(lengths)):
-        q4, k4, v4 = (t.transpose(0, 1).unsqueeze(0) for t in (q1, k1, v1))  # [1, H, L, D]
-        outs.append(F.scaled_dot_product_attention(q4, k4, v4, is_causal=causal).squeeze(0).transpose(0, 1))
-    return torch.cat(outs, dim=0)
+    return _sdpa_by_length(q, k, v, (cu_seqlens[1:] - cu_seqlens[:-1]).tolist(), causal)
 
 
 def _sdpa_by_length(q, k, v, lengths: list[int], causal: bool) -> torch.Tensor:
