@@ -11,12 +11,12 @@ import math
 
 import pytest
 
-from nanovlm.bench.baselines import balanced_greedy_knapsack, flattening_steps
-from nanovlm.bench.common import Stats, percentile
-from nanovlm.bench.distributions import LengthSet, from_index, lognormal, mixture
-from nanovlm.bench.packing_bench import plan_metrics, run_cell
-from nanovlm.bench.train_bench import HEAD_EVERYWHERE
-from nanovlm.cli.benchmark import main
+from benchmarks.baselines import balanced_greedy_knapsack, flattening_steps
+from benchmarks.cli import main
+from benchmarks.common import Stats, percentile
+from benchmarks.distributions import LengthSet, from_index, lognormal, mixture
+from benchmarks.packing import plan_metrics, run_cell
+from benchmarks.train import HEAD_EVERYWHERE
 from nanovlm.config import load_config
 from nanovlm.data.tokenizer import load_tokenizer
 from nanovlm.model import build_model, num_parameters
@@ -112,7 +112,7 @@ def test_lower_bound_counts_the_image_cap():
     assert cell["lower_bound_packs"] == 25 and cell["bound_binding"] == "images"  # 200 images / 8 (tokens: 1)
     ours = cell["rows"][0]
     assert ours["steps"] == 25 and abs(ours["gap_to_bound_pp"]) < 1e-9
-    from nanovlm.bench.packing_bench import cell_table
+    from benchmarks.report import cell_table
 
     assert "(25 packs, the image cap binds)" in cell_table(cell)
 

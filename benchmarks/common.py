@@ -1,4 +1,4 @@
-"""Shared helpers for the benchmark suite: robust statistics, repetition, machine description, tables.
+"""Shared helpers for the benchmark suite: robust statistics, memory readings, machine description, tables.
 
 Every figure the suite reports comes from ``Stats`` (median and spread over repetitions with warm-up
 excluded), so a reader can see how noisy a number is, not just its value.
@@ -8,11 +8,9 @@ from __future__ import annotations
 
 import os
 import platform
-import resource
 import statistics
 import subprocess
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -57,47 +55,54 @@ def percentile(values: Sequence[float], p: float) -> float:
     return v[lo] + (v[hi] - v[lo]) * (k - lo)
 
 
-def repeat(fn: Callable[[], Any], reps: int, warmup: int = 1) -> tuple[list[float], Any]:
-    """Run ``fn`` warmup + reps times; return the wall times (s) of the timed runs and the last result."""
-    result = None
-    for _ in range(warmup):
-        result = fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        result = fn()
-        times.append(time.perf_counter() - t0)
-    return times, result
+# ------------------------------------------------------------------------------------------------------
+# memory (Linux /proc; 0.0 elsewhere)
 
 
-def peak_rss_mb(children: bool = False) -> float:
-    """Peak resident set size (MB) of this process, or the largest of its reaped children (Linux: KiB)."""
-    who = resource.RUSAGE_CHILDREN if children else resource.RUSAGE_SELF
-    return resource.getrusage(who).ru_maxrss / 1024.0
-
-
-def current_rss_mb(pid: int | None = None) -> float:
-    """Current RSS (MB) of a process from /proc (0.0 when unavailable)."""
+def proc_mb(pid: int | str, field: str, fname: str = "status") -> float:
+    """A kB field of ``/proc/<pid>/<fname>`` (``VmRSS``, ``VmHWM``, ``Private_Dirty``, ...) in MB."""
     try:
-        with open(f"/proc/{pid or os.getpid()}/status") as f:
+        with open(f"/proc/{pid}/{fname}") as f:
             for line in f:
-                if line.startswith("VmRSS:"):
+                if line.startswith(field + ":"):
                     return int(line.split()[1]) / 1024.0
     except OSError:
         pass
     return 0.0
 
 
-def peak_rss_of_pid_mb(pid: int) -> float:
-    """Peak RSS (VmHWM, MB) of a live process, e.g. a DataLoader worker (0.0 when unavailable)."""
+def reset_peak_rss() -> bool:
+    """Reset this process's VmHWM so the next peak is the measurement's own (Linux >= 4.0)."""
     try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) / 1024.0
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def child_pids() -> list[int]:
+    pids: list[int] = []
+    try:
+        for tid in os.listdir("/proc/self/task"):
+            with open(f"/proc/self/task/{tid}/children") as f:
+                pids += [int(x) for x in f.read().split()]
     except OSError:
         pass
-    return 0.0
+    return sorted(set(pids))
+
+
+def worker_memory() -> list[dict[str, float]]:
+    """Peak RSS and current private memory of each live child process (DataLoader workers)."""
+    out = []
+    for pid in child_pids():
+        private = proc_mb(pid, "Private_Clean", "smaps_rollup") + proc_mb(pid, "Private_Dirty", "smaps_rollup")
+        out.append({"pid": pid, "peak_rss_mb": proc_mb(pid, "VmHWM"), "private_mb": private})
+    return out
+
+
+# ------------------------------------------------------------------------------------------------------
+# the machine
 
 
 def _cpu_model() -> str:
@@ -160,6 +165,10 @@ def machine_description() -> dict[str, Any]:
             "cuda": torch.version.cuda,
         }
     return desc
+
+
+# ------------------------------------------------------------------------------------------------------
+# tables
 
 
 def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:

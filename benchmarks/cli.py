@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from nanovlm.bench.common import machine_description
+from benchmarks.common import machine_description
 
 SECTIONS = ("packing", "pipeline", "train", "resume")
 
@@ -75,28 +75,33 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def check_args(args: argparse.Namespace) -> str | None:
+    """Fill in defaults that depend on --quick; what is wrong with the arguments, or None."""
     sections = [s.strip() for s in args.sections.split(",") if s.strip()]
     bad = [s for s in sections if s not in SECTIONS]
     if bad:
-        print(f"unknown section(s) {bad}; choose from {list(SECTIONS)}", file=sys.stderr)
-        return 2
+        return f"unknown section(s) {bad}; choose from {list(SECTIONS)}"
     if args.reps is None:
         args.reps = 3 if args.quick else 5
     if args.reps < 1:
-        print("--reps must be >= 1", file=sys.stderr)
-        return 2
+        return "--reps must be >= 1"
     if args.train_samples < 0:
-        print("--train-samples must be >= 1 (0: the default)", file=sys.stderr)
-        return 2
-    from nanovlm.bench.workloads import bench_config
+        return "--train-samples must be >= 1 (0: the default)"
+    from benchmarks.workloads import bench_config
     from nanovlm.config import ConfigError
 
     try:  # a bad --config file or --set override stops here, not after the sections before it have run
         bench_config(args)
     except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
+        return f"error: {e}"
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    problem = check_args(args)
+    if problem:
+        print(problem, file=sys.stderr)
         return 2
     t_start = time.perf_counter()
     doc: dict[str, Any] = {
@@ -105,75 +110,73 @@ def main(argv: list[str] | None = None) -> int:
         "machine": machine_description(),
         "sections": {},
     }
-    md = [f"# nanovlm benchmark{' (quick)' if args.quick else ''}", "", _machine_md(doc["machine"]), ""]
-    for name in sections:
+    texts = []
+    for name in [s.strip() for s in args.sections.split(",") if s.strip()]:
         t0 = time.perf_counter()
         try:
-            part, text = _run_section(name, args)
+            part, text = run_section(name, args)
         except (FileNotFoundError, ValueError) as e:  # bad input: say what is wrong, no traceback
             print(f"benchmark section '{name}' failed: {e}", file=sys.stderr)
             return 2
         part["wall_s"] = time.perf_counter() - t0
         doc["sections"][name] = part
-        md += [text, ""]
+        texts.append(text)
         print(f"[{name}] done in {part['wall_s']:.1f} s", file=sys.stderr, flush=True)
     doc["wall_s"] = time.perf_counter() - t_start
     doc["load_avg_1m_end"] = round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None
-    md.append(f"Total wall time: {doc['wall_s']:.0f} s; load average at the end {doc['load_avg_1m_end']}.")
-    report = "\n".join(md)
+    write_outputs(doc, texts, args)
+    return 0
+
+
+def write_outputs(doc: dict[str, Any], texts: list[str], args: argparse.Namespace) -> None:
+    """Print the markdown report; write it, the JSON and the plot where asked."""
+    from benchmarks.report import plot_fill, render_report, write_json
+
+    report = render_report(doc, texts)
     print(report)
     if args.json:
-        from nanovlm.bench.report import write_json
-
         write_json(doc, args.json)
     if args.markdown:
         Path(args.markdown).parent.mkdir(parents=True, exist_ok=True)
         Path(args.markdown).write_text(report + "\n")
     if args.plot and "packing" in doc["sections"]:
-        from nanovlm.bench.report import plot_fill
-
         plot_fill(doc["sections"]["packing"]["cells"], args.plot)
-    return 0
-
-
-def _machine_md(m: dict[str, Any]) -> str:
-    gpu = m.get("gpu")
-    gpu_s = f"{gpu['count']}x {gpu['name']} ({gpu['memory_gb']} GB, CUDA {gpu['cuda']})" if gpu else "none"
-    return (
-        f"Machine: {m['cpu']}, {m['cores']} cores, {m['memory_gb']} GB RAM, GPU: {gpu_s}; Python {m['python']}, "
-        f"torch {m['torch']} ({m['torch_threads']} threads), transformers {m.get('transformers', '?')}, "
-        f"webdataset {m.get('webdataset', '?')}; load average at start {m['load_avg_1m']}; commit {m['git_commit']}."
-    )
 
 
 def _log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def _run_section(name: str, args: argparse.Namespace) -> tuple[dict[str, Any], str]:
-    if name == "packing":
-        from nanovlm.bench import packing_section
+def run_section(name: str, args: argparse.Namespace) -> tuple[dict[str, Any], str]:
+    """Measure one section; return its JSON part and its markdown."""
+    from benchmarks import report
 
-        plan = packing_section.PackingPlan.quick() if args.quick else packing_section.PackingPlan()
+    if name == "packing":
+        from benchmarks import packing
+        from benchmarks.workloads import index_length_sets
+
+        plan = packing.PackingPlan.quick() if args.quick else packing.PackingPlan()
         plan.reps, plan.seed = args.reps, args.seed
         if args.synthetic_samples:
             plan.synthetic_samples = args.synthetic_samples
-        from nanovlm.bench.workloads import index_length_sets
-
         plan.index_sets, plan.index_budget = index_length_sets(args)
-        return packing_section.run(plan, log=_log)
+        result = packing.measure(plan, log=_log)
+        return result.to_json(), report.render_packing(result)
     if name == "pipeline":
-        from nanovlm.bench import pipeline_bench
+        from benchmarks import pipeline
 
-        return pipeline_bench.run(args, log=_log)
+        result = pipeline.measure(args, log=_log)
+        return result.to_json(), report.render_pipeline(result)
     if name == "train":
-        from nanovlm.bench import train_bench
+        from benchmarks import train
 
-        return train_bench.run(args, log=_log)
+        result = train.measure(args, log=_log)
+        return result.to_json(), report.render_train(result)
     if name == "resume":
-        from nanovlm.bench import resume_bench
+        from benchmarks import resume
 
-        return resume_bench.run(args, log=_log)
+        result = resume.measure(args, log=_log)
+        return result.to_json(), report.render_resume(result)
     raise AssertionError(name)
 
 

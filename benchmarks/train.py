@@ -1,6 +1,6 @@
 """Training throughput: the same samples and the same model, laid out three ways.
 
-The samples are read and processed once (the data pipeline is measured on its own in ``pipeline_bench``),
+The samples are read and processed once (the data pipeline is measured on its own in ``benchmarks/pipeline.py``),
 then batched by
 
 - ``packed``: ``pack_online`` + ``collate_packed`` -> [1, L] rows with cu_seqlens (varlen attention);
@@ -30,14 +30,14 @@ import argparse
 import math
 import statistics
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from nanovlm.bench.common import Stats, markdown_table, percentile
-from nanovlm.bench.pipeline_bench import _data_config, _proc_kb, _shards, reset_peak_rss
-from nanovlm.bench.workloads import demo_dirs
+from benchmarks.common import Stats, percentile, proc_mb, reset_peak_rss
+from benchmarks.workloads import data_config, demo_dirs, shards
 from nanovlm.config import Config, image_token_count, load_config
 
 
@@ -57,7 +57,7 @@ def load_samples(cfg: Config, tokenizer, n: int) -> list:
     )
     reader = ShardReader()
     out = []
-    for path, sh in _shards(list(cfg.data.train)):
+    for path, sh in shards(list(cfg.data.train)):
         for k, off, nb in zip(sh.keys, sh.offsets, sh.nbytes):
             try:
                 out.append(proc.process(reader.read(path, off, nb, k), cfg.data.max_tokens, "drop"))
@@ -192,14 +192,14 @@ class ModeRunner:
             else:  # give freed heap back to the OS first, or this mode would reuse the previous mode's peak
                 _malloc_trim()
                 reset_peak_rss()
-                base = _proc_kb("self", "VmRSS") * 2**20
+                base = proc_mb("self", "VmRSS") * 2**20
             for i in range(n_steps):
                 self.step(self.dev_batches[i % len(self.dev_batches)])
             self._sync()
             peak = (
                 torch.cuda.max_memory_allocated(self.device)
                 if self.device.type == "cuda"
-                else _proc_kb("self", "VmHWM") * 2**20
+                else proc_mb("self", "VmHWM") * 2**20
             )
             self.peak_extra_mb = max(0.0, (peak - base) / 2**20)
         except torch.OutOfMemoryError as e:
@@ -382,15 +382,52 @@ def _mfu(cfg: Config, vocab: int, batches: list[dict], tokens_per_s: float, devi
     return flops / max(1, tokens) * tokens_per_s / (peak * 1e12)
 
 
-def run(args: argparse.Namespace, log=print) -> tuple[dict[str, Any], str]:
-    from nanovlm.data.tokenizer import load_tokenizer
-    from nanovlm.model import resolve_backend, resolve_vocab_size
+# ------------------------------------------------------------------------------------------------------
+# the section
 
+LAYOUTS = ("packed", "pad_to_longest", "constrained")
+DECODER_ONLY = ("packed", "pad_to_longest")  # the layouts also timed with the images encoded beforehand
+
+
+@dataclass
+class TrainResult:
+    """What the train section measured, and the setting its report states."""
+
+    device: torch.device
+    parameters: int
+    layout: dict[str, Any]  # B, cutoff, samples, max_tokens
+    modes: dict[str, dict[str, Any]]  # per layout: fill, tokens/s, step times, peak memory (MFU for packed)
+    backends: list[dict[str, Any]]  # per attention backend (packed), or why it is unavailable
+    ratio_check: dict[str, Any]
+    loss_position_head: dict[str, Any] | None
+    model_label: str  # the preset, or the last config file
+    attn_backend: str
+    compiled: bool
+    reps: int
+    warmup: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "device": str(self.device),
+            "parameters": self.parameters,
+            "layout": self.layout,
+            "modes": self.modes,
+            "backends": self.backends,
+            "ratio_check": self.ratio_check,
+            "loss_position_head": self.loss_position_head,
+        }
+
+
+def train_device(args: argparse.Namespace) -> torch.device:
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda but torch sees no CUDA device")
-    quick = args.quick
-    cfg = _data_config(args, 0)
+    return device
+
+
+def train_config(args: argparse.Namespace, device: torch.device) -> tuple[Config, str]:
+    """The config the section trains with, and the model preset on top of it ("" for none)."""
+    cfg = data_config(args, 0)
     if not args.data:
         demo_dirs(cfg)
     preset = args.preset or ("model_222m.yaml" if device.type == "cuda" else "")
@@ -406,67 +443,59 @@ def run(args: argparse.Namespace, log=print) -> tuple[dict[str, Any], str]:
     # (the packing section measures the image cap on its own).
     itc = image_token_count(cfg.model)
     cfg.data.max_images = max(cfg.data.max_images, cfg.data.max_tokens // max(1, itc // 2))
-    tokenizer = load_tokenizer(args.tokenizer or cfg.data.tokenizer)
-    pad_id = int(tokenizer.pad_token_id or 0)
-    n = args.train_samples or ((80 if quick else 600) if device.type == "cpu" else (1000 if quick else 4000))
-    log(f"[train] loading {n} samples for L={cfg.data.max_tokens} on {device}")
-    samples = load_samples(cfg, tokenizer, n)
-    if not samples:
-        raise ValueError(f"no usable sample in {cfg.data.train} for max_tokens={cfg.data.max_tokens}")
-    batches, layout = make_batches(samples, cfg, pad_id)
-    reps = args.reps
-    # cuda: a whole pass of warm-up, so every padded shape has been seen (kernels, allocator) before timing
-    warmup = max(len(v) for v in batches.values()) if device.type == "cuda" else (2 if quick else 3)
-    backend = cfg.model.attn_backend
-    vocab = resolve_vocab_size(cfg.model, tokenizer)
-    layouts = [
-        ModeRunner(m, cfg, tokenizer, batches[m], device, args.seed, args.compile)
-        for m in ("packed", "pad_to_longest", "constrained")
-    ]
+    return cfg, preset
+
+
+def layout_runners(
+    cfg: Config, tokenizer, batches: dict[str, list[dict]], device: torch.device, args: argparse.Namespace
+) -> list[ModeRunner]:
+    """The three layouts, the LM head on every position, and the decoder-only runs, in report order."""
+    runners = [ModeRunner(m, cfg, tokenizer, batches[m], device, args.seed, args.compile) for m in LAYOUTS]
     # The LM head on every position, as a model without loss-position logits computes it (training runs it on
     # the loss positions only): what that saves, in time and memory
-    layouts.append(
+    runners.append(
         ModeRunner(
             HEAD_EVERYWHERE, cfg, tokenizer, batches["packed"], device, args.seed, args.compile, head_everywhere=True
         )
     )
     # One factor at a time, again: the images encoded once beforehand, so that the layout is the only difference
-    layouts += [
+    runners += [
         ModeRunner(f"{m} (decoder only)", cfg, tokenizer, batches[m], device, args.seed, args.compile, True)
-        for m in ("packed", "pad_to_longest")
+        for m in DECODER_ONLY
     ]
-    runners = list(layouts)
+    return runners
+
+
+def backend_runners(
+    cfg: Config, tokenizer, packed: list[dict], device: torch.device, args: argparse.Namespace
+) -> tuple[list[ModeRunner], list[dict[str, Any]]]:
+    """A packed runner per available attention backend (on cuda, or with --backends), and a row per backend
+    (an unavailable one says why). ``cfg.model.attn_backend`` is left as it was."""
+    runners: list[ModeRunner] = []
     backends: list[dict[str, Any]] = []
-    if device.type == "cuda" or args.backends:
-        names = [b for b in (args.backends or "sdpa,torch_varlen,flash_attn").split(",") if b]
-        for name in names:
-            try:
-                resolve_backend(name, device, torch.bfloat16 if device.type == "cuda" else torch.float32)
-            except Exception as e:  # an unavailable backend is reported, not fatal
-                backends.append({"backend": name, "unavailable": str(e).splitlines()[0]})
-                continue
-            cfg.model.attn_backend = name
-            runners.append(
-                ModeRunner(f"packed/{name}", cfg, tokenizer, batches["packed"], device, args.seed, args.compile)
-            )
-            backends.append({"backend": name})
-        cfg.model.attn_backend = backend
-    run_interleaved(runners, reps, warmup, log)
-    for r in runners:
-        if r.name == "packed" or r.name.startswith("packed/"):
-            r.measure_launches()
-    results = {r.name: r.result() for r in layouts}
-    by_name = {r.name: r for r in runners}
-    for b in backends:
-        if "unavailable" not in b:
-            b.update(by_name[f"packed/{b['backend']}"].result())
-    for r in runners:
-        r.release()
-    for res in [results["packed"], *[b for b in backends if "real_tokens_per_s" in b]]:
-        if "real_tokens_per_s" in res:
-            res["mfu"] = _mfu(cfg, vocab, batches["packed"], res["real_tokens_per_s"]["median"], device)
-    ideal = results["packed"]["fill"] / results["pad_to_longest"]["fill"]
-    head_cmp = _head_saving(by_name["packed"], by_name[HEAD_EVERYWHERE])
+    if device.type != "cuda" and not args.backends:
+        return runners, backends
+    from nanovlm.model import resolve_backend
+
+    configured = cfg.model.attn_backend
+    for name in [b for b in (args.backends or "sdpa,torch_varlen,flash_attn").split(",") if b]:
+        try:
+            resolve_backend(name, device, torch.bfloat16 if device.type == "cuda" else torch.float32)
+        except Exception as e:  # an unavailable backend is reported, not fatal
+            backends.append({"backend": name, "unavailable": str(e).splitlines()[0]})
+            continue
+        cfg.model.attn_backend = name
+        runners.append(ModeRunner(f"packed/{name}", cfg, tokenizer, packed, device, args.seed, args.compile))
+        backends.append({"backend": name})
+    cfg.model.attn_backend = configured
+    return runners, backends
+
+
+def ratio_check(
+    by_name: dict[str, ModeRunner], cfg: Config, vocab: int, batches: dict[str, list[dict]], ideal: float
+) -> dict[str, Any]:
+    """The >= 90% target: packed over pad-to-longest real tokens/s against the ratio of their fills (and of their
+    FLOPs), plus the same ratio for the decoder-only runs."""
     ratio = _layout_ratio(by_name["packed"], by_name["pad_to_longest"], ideal)
     if ratio is not None:
         check = {"ideal_ratio": ideal, **ratio, "target_met": ratio["fraction_of_ideal"] >= 0.9}
@@ -479,102 +508,65 @@ def run(args: argparse.Namespace, log=print) -> tuple[dict[str, Any], str]:
     decoder_only = _layout_ratio(by_name["packed (decoder only)"], by_name["pad_to_longest (decoder only)"], ideal)
     if decoder_only is not None:
         check["decoder_only"] = decoder_only
+    return check
 
-    from nanovlm.model import build_model, num_parameters
 
-    params = num_parameters(build_model(cfg.model, tokenizer))["total"]  # on the CPU: counting only
-    md = ["## Training throughput", ""]
-    md.append(
-        f"Model: {params / 1e6:.1f}M parameters ({preset or (args.config or ['tiny_cpu.yaml'])[-1]}, "
-        f"attention backend {backend}{', blocks compiled' if args.compile else ''}), device {device}, "
-        f"L = {cfg.data.max_tokens}, {layout['samples']} samples; "
-        f"padded modes use B = {layout['batch_size']}, constrained cutoff {layout['cutoff']}. Tokens/s: median "
-        f"[min-max] of {reps} passes (modes interleaved) after {warmup} warm-up steps; step times pooled over all "
-        "passes; peak memory: above the resting level (activations, gradients, temporaries)."
+def _time_runners(
+    layouts: list[ModeRunner], extra: list[ModeRunner], backends: list[dict[str, Any]], reps: int, warmup: int, log
+) -> tuple[dict[str, dict[str, Any]], dict[str, ModeRunner]]:
+    """Time every runner interleaved, count the packed runners' kernel launches, free the models; return the
+    results of ``layouts`` by name (``backends`` rows are filled in place) and every runner by name."""
+    runners = [*layouts, *extra]
+    run_interleaved(runners, reps, warmup, log)
+    for r in runners:
+        if r.name == "packed" or r.name.startswith("packed/"):
+            r.measure_launches()
+    results = {r.name: r.result() for r in layouts}
+    by_name = {r.name: r for r in runners}
+    for b in backends:
+        if "unavailable" not in b:
+            b.update(by_name[f"packed/{b['backend']}"].result())
+    for r in runners:
+        r.release()
+    return results, by_name
+
+
+def measure(args: argparse.Namespace, log=print) -> TrainResult:
+    from nanovlm.data.tokenizer import load_tokenizer
+    from nanovlm.model import build_model, num_parameters, resolve_vocab_size
+
+    device = train_device(args)
+    cfg, preset = train_config(args, device)
+    tokenizer = load_tokenizer(args.tokenizer or cfg.data.tokenizer)
+    quick = args.quick
+    n = args.train_samples or ((80 if quick else 600) if device.type == "cpu" else (1000 if quick else 4000))
+    log(f"[train] loading {n} samples for L={cfg.data.max_tokens} on {device}")
+    samples = load_samples(cfg, tokenizer, n)
+    if not samples:
+        raise ValueError(f"no usable sample in {cfg.data.train} for max_tokens={cfg.data.max_tokens}")
+    batches, layout = make_batches(samples, cfg, int(tokenizer.pad_token_id or 0))
+    # cuda: a whole pass of warm-up, so every padded shape has been seen (kernels, allocator) before timing
+    warmup = max(len(v) for v in batches.values()) if device.type == "cuda" else (2 if quick else 3)
+    backend = cfg.model.attn_backend
+    vocab = resolve_vocab_size(cfg.model, tokenizer)
+    layouts = layout_runners(cfg, tokenizer, batches, device, args)
+    extra, backends = backend_runners(cfg, tokenizer, batches["packed"], device, args)
+    results, by_name = _time_runners(layouts, extra, backends, args.reps, warmup, log)
+    for res in [results["packed"], *[b for b in backends if "real_tokens_per_s" in b]]:
+        if "real_tokens_per_s" in res:
+            res["mfu"] = _mfu(cfg, vocab, batches["packed"], res["real_tokens_per_s"]["median"], device)
+    ideal = results["packed"]["fill"] / results["pad_to_longest"]["fill"]
+    return TrainResult(
+        device=device,
+        parameters=num_parameters(build_model(cfg.model, tokenizer))["total"],  # on the CPU: counting only
+        layout=layout,
+        modes=results,
+        backends=backends,
+        ratio_check=ratio_check(by_name, cfg, vocab, batches, ideal),
+        loss_position_head=_head_saving(by_name["packed"], by_name[HEAD_EVERYWHERE]),
+        model_label=preset or (args.config or ["tiny_cpu.yaml"])[-1],
+        attn_backend=backend,
+        compiled=args.compile,
+        reps=args.reps,
+        warmup=warmup,
     )
-    if results["packed"]["launches_per_step"]:
-        md[-1] += (
-            f" Kernel launches of one packed step (forward + backward): {results['packed']['launches_per_step']}"
-            + (" (CUDA kernels and copies)." if device.type == "cuda" else " (aten ops dispatched, the CPU proxy).")
-        )
-    md.append("")
-    rows = []
-    for mode in results:
-        r = results[mode]
-        if "real_tokens_per_s" not in r:
-            rows.append([mode, f"{100 * r['fill']:.1f}%", r["steps_per_pass"], r["error"], "-", "-", "-", "-"])
-            continue
-        rows.append(
-            [
-                mode,
-                f"{100 * r['fill']:.1f}%",
-                r["steps_per_pass"],
-                Stats(**r["real_tokens_per_s"]).fmt(0),
-                f"{r['step_ms_median']:.1f}",
-                f"{r['step_ms_p99']:.1f}",
-                f"{r['peak_memory_mb']:.0f}",
-                f"{100 * r['mfu']:.1f}%" if r.get("mfu") else "-",
-            ]
-        )
-    md.append(
-        markdown_table(
-            ["layout", "fill", "steps", "real tokens/s", "step ms median", "step ms p99", "peak memory MB", "MFU"], rows
-        )
-    )
-    if check["actual_ratio"] is not None:
-        md += [
-            "",
-            f"Packed / pad-to-longest real tokens/s: {check['actual_ratio']:.2f}x; ideal (ratio of fills) {ideal:.2f}x; "
-            f"{100 * check['fraction_of_ideal']:.0f}% of ideal (target >= 90%: "
-            f"{'met' if check['target_met'] else 'MISSED'}; pass by pass "
-            f"{Stats(**check['paired_fraction_of_ideal']).fmt(0, 100)}%). Counting FLOPs instead of slots (images cost the same "
-            f"in every layout), the ideal is {check['ideal_ratio_by_flops']:.2f}x, of which "
-            f"{100 * check['fraction_of_flops_ideal']:.0f}% is reached.",
-        ]
-        if "decoder_only" in check:
-            d = check["decoder_only"]
-            md[-1] += (
-                f" With the images encoded once beforehand (*decoder only*: the layout is then the only difference), "
-                f"packed / pad-to-longest is {d['actual_ratio']:.2f}x, {100 * d['fraction_of_ideal']:.0f}% of the "
-                f"ratio of fills (pass by pass {Stats(**d['paired_fraction_of_ideal']).fmt(0, 100)}%)."
-            )
-    else:
-        md += ["", "No ratio: pad-to-longest or packed did not finish (see the table)."]
-    if head_cmp is not None:
-        md += [
-            "",
-            f"LM head on the loss positions only (what training does) vs on every position: "
-            f"{head_cmp['speedup']:.2f}x real tokens/s (pass by pass {Stats(**head_cmp['paired_speedup']).fmt(2)}x), "
-            f"peak memory {head_cmp['peak_memory_mb']:.0f} vs {head_cmp['peak_memory_mb_head_everywhere']:.0f} MB.",
-        ]
-    if backends:
-        md += ["", "Attention backends (packed):", ""]
-        brow = []
-        for b in backends:
-            if "unavailable" in b or "real_tokens_per_s" not in b:
-                why = b.get("unavailable") or b.get("error") or "failed"
-                brow.append([b["backend"], why[:90], "-", "-", "-", "-", "-"])
-            else:
-                brow.append(
-                    [
-                        b["backend"],
-                        Stats(**b["real_tokens_per_s"]).fmt(0),
-                        f"{b['step_ms_median']:.1f}",
-                        f"{b['step_ms_p99']:.1f}",
-                        f"{b['peak_memory_mb']:.0f}",
-                        f"{100 * b['mfu']:.1f}%" if b.get("mfu") else "-",
-                        b["launches_per_step"] or "-",
-                    ]
-                )
-        head = ["backend", "real tokens/s", "step ms median", "p99", "peak MB", "MFU", "launches/step"]
-        md.append(markdown_table(head, brow))
-    doc = {
-        "device": str(device),
-        "parameters": params,
-        "layout": layout,
-        "modes": results,
-        "backends": backends,
-        "ratio_check": check,
-        "loss_position_head": head_cmp,
-    }
-    return doc, "\n".join(md)

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import Any
 
-from nanovlm.bench import distributions as dist
+from benchmarks import distributions as dist
 from nanovlm.config import Config, image_token_count, load_config
 
 
@@ -14,6 +15,31 @@ def bench_config(args: argparse.Namespace, overrides: list[str] | None = None) -
     overrides, then the user's ``--set`` overrides."""
     files = args.config or ["tiny_cpu.yaml"]
     return load_config(files, [*(overrides or []), *args.set])
+
+
+def data_config(args: argparse.Namespace, workers: int) -> Config:
+    """``bench_config`` for the sections that read samples: ``--data``, ``--tokenizer`` and ``--budget`` applied,
+    ``workers`` DataLoader workers, no validation set."""
+    overrides = [f"data.num_workers={workers}", "data.val=[]"]
+    if args.data:
+        overrides += ["data.train=[" + ",".join(args.data) + "]", "data.make_demo_if_missing=false"]
+    if args.tokenizer:
+        overrides.append(f"data.tokenizer={args.tokenizer}")
+    if args.budget:
+        overrides.append(f"data.max_tokens={args.budget}")
+    return bench_config(args, overrides)
+
+
+def shards(dirs: list[str]) -> list[tuple[str, Any]]:
+    """(shard path, shard entry of the index) of every shard of the dataset dirs, in index order."""
+    from nanovlm.data.index import load_index
+
+    out = []
+    for d in dirs:
+        idx = load_index(d)
+        for sh in idx.shards:
+            out.append((str(idx.shard_path(sh)), sh))
+    return out
 
 
 def demo_dirs(cfg: Config) -> tuple[list[str], str]:

@@ -1,0 +1,423 @@
+"""Output of the benchmark: the markdown report, the JSON document and the fill-per-strategy plot.
+
+The sections measure and return their figures (``benchmarks/packing.py`` and the others); everything here only
+formats what they measured: a ``render_*`` function per section, the report's header and footer, the files.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from benchmarks.common import Stats, markdown_table, pct
+
+if TYPE_CHECKING:
+    from benchmarks.packing import PackingResult
+    from benchmarks.pipeline import PipelineResult
+    from benchmarks.resume import ResumeResult
+    from benchmarks.train import TrainResult
+
+
+# ------------------------------------------------------------------------------------------------------
+# the report
+
+
+def render_report(doc: dict[str, Any], sections: list[str]) -> str:
+    """The whole markdown report: title, machine, each section's text, total wall time."""
+    md = [f"# nanovlm benchmark{' (quick)' if doc['quick'] else ''}", "", render_machine(doc["machine"]), ""]
+    for text in sections:
+        md += [text, ""]
+    md.append(f"Total wall time: {doc['wall_s']:.0f} s; load average at the end {doc['load_avg_1m_end']}.")
+    return "\n".join(md)
+
+
+def render_machine(m: dict[str, Any]) -> str:
+    gpu = m.get("gpu")
+    gpu_s = f"{gpu['count']}x {gpu['name']} ({gpu['memory_gb']} GB, CUDA {gpu['cuda']})" if gpu else "none"
+    return (
+        f"Machine: {m['cpu']}, {m['cores']} cores, {m['memory_gb']} GB RAM, GPU: {gpu_s}; Python {m['python']}, "
+        f"torch {m['torch']} ({m['torch_threads']} threads), transformers {m.get('transformers', '?')}, "
+        f"webdataset {m.get('webdataset', '?')}; load average at start {m['load_avg_1m']}; commit {m['git_commit']}."
+    )
+
+
+def _met(ok: bool) -> str:
+    return "met" if ok else "MISSED"
+
+
+# ------------------------------------------------------------------------------------------------------
+# packing
+
+
+def render_packing(result: PackingResult) -> str:
+    plan = result.plan
+    md = ["## Packing quality", ""]
+    md.append(
+        "Fill = real tokens / slots. *fill at peak*: real tokens / (steps x largest step), what a fixed memory "
+        "budget sees. Gaps are in percentage points of fill (positive = below the bound / FFD). Cost: "
+        "planning time per sample, median [min-max] of "
+        f"{plan.reps} runs after a warm-up."
+    )
+    md.append("")
+    for c in result.cells:
+        md += [cell_table(c), ""]
+    md += [f"Ours, one factor changed (lookahead), L = {plan.sweep_budget}:", "", sweep_table(result.sweep), ""]
+    md += ["Targets:", ""] + [f"- {packing_target_line(c)}" for c in result.checks] + [""]
+    return "\n".join(md)
+
+
+def packing_target_line(check: dict[str, Any]) -> str:
+    """One token-bound cell's targets in words (also stored in the JSON, under ``targets.lines``)."""
+    return (
+        f"{check['distribution']} L={check['budget_tokens']} img<={check['max_images']}: fill "
+        f"{100 * check['fill']:.2f}% ({'ok' if check['fill_ge_99'] else 'MISSED'} >= 99%), gap to bound "
+        f"{check['gap_to_bound_pp']:.2f} pp ({'ok' if check['gap_le_0_5pp'] else 'MISSED'} <= 0.5), ahead of every "
+        f"other strategy: {'yes' if check['ahead_of_others'] else 'NO'} (best other "
+        f"{100 * check['best_other_fill']:.2f}%)"
+    )
+
+
+def _cost(row: dict[str, Any]) -> str:
+    if row.get("us_per_sample"):
+        return Stats(**row["us_per_sample"]).fmt(2)
+    if row.get("collate_us_per_sample"):
+        return "collate " + Stats(**row["collate_us_per_sample"]).fmt(1)
+    return "-"
+
+
+def cell_table(cell: dict[str, Any]) -> str:
+    """Markdown table of one cell (distribution x budget)."""
+    headers = [
+        "strategy",
+        "fill",
+        "fill at peak",
+        "slots/step (cv)",
+        "samples/step",
+        "images/step (max)",
+        "dropped tok",
+        "gap to bound",
+        "gap to FFD",
+        "cost us/sample",
+    ]
+    out = [
+        [
+            r["strategy"],
+            pct(r["fill"], 2),
+            pct(r["fill_at_peak"], 1),
+            f"{r['slots_per_step_mean']:.0f} ({r['slots_per_step_cv']:.2f})",
+            f"{r['samples_per_step']:.1f}",
+            f"{r['images_per_step_mean']:.1f} ({r['images_per_step_max']})",
+            pct(r["dropped_tokens_frac"], 1),
+            f"{r['gap_to_bound_pp']:+.2f} pp",
+            f"{r['gap_to_ffd_pp']:+.2f} pp",
+            _cost(r),
+        ]
+        for r in cell["rows"]
+    ]
+    d = cell["distribution"]
+    title = (
+        f"**{d['name']}**, L = {cell['budget_tokens']}, <= {cell['max_images']} images/pack: {d['samples']} samples, "
+        f"mean {d['mean']:.0f} / p99 {d['p99']:.0f} / max {d['max']} tokens; bound fill "
+        f"{pct(cell['bound_fill'], 2)} ({cell['lower_bound_packs']} packs"
+        + (", the image cap binds" if cell.get("bound_binding") == "images" else "")
+        + f"), FFD {pct(cell['ffd_fill'], 2)} "
+        f"({cell['ffd_packs']} packs)"
+    )
+    return title + "\n\n" + markdown_table(headers, out)
+
+
+def sweep_table(rows: list[dict[str, Any]]) -> str:
+    return markdown_table(
+        ["distribution", "L", "lookahead", "fill", "gap to FFD", "longest wait (packs)"],
+        [
+            [
+                r["distribution"],
+                r["budget_tokens"],
+                r["lookahead"],
+                pct(r["fill"], 2),
+                f"{r['gap_to_ffd_pp']:+.2f} pp",
+                r["max_wait_packs"],
+            ]
+            for r in rows
+        ],
+    )
+
+
+# ------------------------------------------------------------------------------------------------------
+# data pipeline
+
+
+def render_pipeline(result: PipelineResult) -> str:
+    md = ["## Data pipeline", ""]
+    md.append(
+        f"Data: {', '.join(result.data)}; image size {result.image_size}, "
+        f"{result.image_tokens} tokens/image, L = {result.max_tokens}. Median [min-max] of {result.reps} "
+        "runs after warm-up."
+    )
+    md += ["", "Per-sample cost by stage (one process):", ""]
+    stages, raw_stage = result.stages, result.raw_stage
+    rows = [[k, Stats(**v).fmt(0)] for k, v in stages["us_per_sample"].items()]
+    rows.append(["**total (ours)**", Stats(**stages["total_us_per_sample"]).fmt(0)])
+    rows.append(["webdataset read + decode('pil')", Stats(**raw_stage["us_per_sample"]).fmt(0)])
+    md.append(markdown_table(["stage", "us/sample"], rows))
+    md += ["", "Throughput by worker count (samples/s; the ratio is the >= 90% target):", ""]
+    md.append(workers_table(result.by_workers, result.plan.step_s))
+    md += ["", f"Target (>= 90% of raw webdataset at every worker count): {_met(result.target_met)}."]
+    return "\n".join(md)
+
+
+def _workers_row(b: dict[str, Any]) -> list[Any]:
+    d, r = b["datamodule"], b["raw_webdataset"]
+    q = d["queue_wait"]
+    return [
+        b["workers"],
+        Stats(**d["samples_per_s"]).fmt(0),
+        Stats(**d["real_tokens_per_s"]).fmt(0),
+        Stats(**r["samples_per_s"]).fmt(0) if "samples_per_s" in r else r.get("skipped", "-"),
+        f"{100 * b['ratio_to_raw']:.0f}%" if b["ratio_to_raw"] is not None else "-",
+        f"{q['median_ms']:.1f} / {q['p99_ms']:.1f} ({100 * q['frac_of_time_waiting']:.0f}%)",
+        f"{d['main_peak_rss_mb']['median']:.0f}",
+        f"{d['worker_peak_rss_mb']['median']:.0f} ({d['worker_private_mb']['median']:.0f} private)"
+        if d["worker_peak_rss_mb"]
+        else "-",
+    ]
+
+
+def workers_table(by_workers: list[dict[str, Any]], step_s: float) -> str:
+    return markdown_table(
+        [
+            "workers",
+            "DataModule samples/s",
+            "real tokens/s",
+            "raw webdataset samples/s",
+            "ratio",
+            f"queue wait ms median / p99 (share), {step_s * 1e3:.0f} ms step",
+            "main peak RSS MB",
+            "worker peak RSS MB",
+        ],
+        [_workers_row(b) for b in by_workers],
+    )
+
+
+# ------------------------------------------------------------------------------------------------------
+# training throughput
+
+
+def render_train(result: TrainResult) -> str:
+    md = ["## Training throughput", "", _train_setting(result), ""]
+    md.append(modes_table(result.modes))
+    md += ["", _ratio_text(result.ratio_check)]
+    if result.loss_position_head is not None:
+        md += ["", _head_text(result.loss_position_head)]
+    if result.backends:
+        md += ["", "Attention backends (packed):", "", backends_table(result.backends)]
+    return "\n".join(md)
+
+
+def _train_setting(result: TrainResult) -> str:
+    layout, cuda = result.layout, result.device.type == "cuda"
+    text = (
+        f"Model: {result.parameters / 1e6:.1f}M parameters ({result.model_label}, "
+        f"attention backend {result.attn_backend}{', blocks compiled' if result.compiled else ''}), "
+        f"device {result.device}, L = {layout['max_tokens']}, {layout['samples']} samples; "
+        f"padded modes use B = {layout['batch_size']}, constrained cutoff {layout['cutoff']}. Tokens/s: median "
+        f"[min-max] of {result.reps} passes (modes interleaved) after {result.warmup} warm-up steps; step times "
+        "pooled over all passes; peak memory: above the resting level (activations, gradients, temporaries)."
+    )
+    launches = result.modes["packed"]["launches_per_step"]
+    if launches:
+        text += f" Kernel launches of one packed step (forward + backward): {launches}" + (
+            " (CUDA kernels and copies)." if cuda else " (aten ops dispatched, the CPU proxy)."
+        )
+    return text
+
+
+def modes_table(modes: dict[str, dict[str, Any]]) -> str:
+    rows = []
+    for mode, r in modes.items():
+        if "real_tokens_per_s" not in r:
+            rows.append([mode, f"{100 * r['fill']:.1f}%", r["steps_per_pass"], r["error"], "-", "-", "-", "-"])
+            continue
+        rows.append(
+            [
+                mode,
+                f"{100 * r['fill']:.1f}%",
+                r["steps_per_pass"],
+                Stats(**r["real_tokens_per_s"]).fmt(0),
+                f"{r['step_ms_median']:.1f}",
+                f"{r['step_ms_p99']:.1f}",
+                f"{r['peak_memory_mb']:.0f}",
+                f"{100 * r['mfu']:.1f}%" if r.get("mfu") else "-",
+            ]
+        )
+    headers = ["layout", "fill", "steps", "real tokens/s", "step ms median", "step ms p99", "peak memory MB", "MFU"]
+    return markdown_table(headers, rows)
+
+
+def _ratio_text(check: dict[str, Any]) -> str:
+    if check["actual_ratio"] is None:
+        return "No ratio: pad-to-longest or packed did not finish (see the table)."
+    text = (
+        f"Packed / pad-to-longest real tokens/s: {check['actual_ratio']:.2f}x; ideal (ratio of fills) "
+        f"{check['ideal_ratio']:.2f}x; {100 * check['fraction_of_ideal']:.0f}% of ideal (target >= 90%: "
+        f"{_met(check['target_met'])}; pass by pass "
+        f"{Stats(**check['paired_fraction_of_ideal']).fmt(0, 100)}%). Counting FLOPs instead of slots (images cost "
+        f"the same in every layout), the ideal is {check['ideal_ratio_by_flops']:.2f}x, of which "
+        f"{100 * check['fraction_of_flops_ideal']:.0f}% is reached."
+    )
+    if "decoder_only" in check:
+        d = check["decoder_only"]
+        text += (
+            f" With the images encoded once beforehand (*decoder only*: the layout is then the only difference), "
+            f"packed / pad-to-longest is {d['actual_ratio']:.2f}x, {100 * d['fraction_of_ideal']:.0f}% of the "
+            f"ratio of fills (pass by pass {Stats(**d['paired_fraction_of_ideal']).fmt(0, 100)}%)."
+        )
+    return text
+
+
+def _head_text(head: dict[str, Any]) -> str:
+    return (
+        f"LM head on the loss positions only (what training does) vs on every position: "
+        f"{head['speedup']:.2f}x real tokens/s (pass by pass {Stats(**head['paired_speedup']).fmt(2)}x), "
+        f"peak memory {head['peak_memory_mb']:.0f} vs {head['peak_memory_mb_head_everywhere']:.0f} MB."
+    )
+
+
+def backends_table(backends: list[dict[str, Any]]) -> str:
+    rows = []
+    for b in backends:
+        if "unavailable" in b or "real_tokens_per_s" not in b:
+            why = b.get("unavailable") or b.get("error") or "failed"
+            rows.append([b["backend"], why[:90], "-", "-", "-", "-", "-"])
+        else:
+            rows.append(
+                [
+                    b["backend"],
+                    Stats(**b["real_tokens_per_s"]).fmt(0),
+                    f"{b['step_ms_median']:.1f}",
+                    f"{b['step_ms_p99']:.1f}",
+                    f"{b['peak_memory_mb']:.0f}",
+                    f"{100 * b['mfu']:.1f}%" if b.get("mfu") else "-",
+                    b["launches_per_step"] or "-",
+                ]
+            )
+    head = ["backend", "real tokens/s", "step ms median", "p99", "peak MB", "MFU", "launches/step"]
+    return markdown_table(head, rows)
+
+
+# ------------------------------------------------------------------------------------------------------
+# resume cost
+
+
+def render_resume(result: ResumeResult) -> str:
+    md = ["## Resume cost", ""]
+    md.append(
+        f"Time from {'DataModule construction (in-process, --quick)' if result.in_process else 'process start'} to "
+        f"the first batch; epoch of {result.batches_per_epoch} batches, {result.workers} worker(s), data "
+        f"{', '.join(result.data)}. Median [min-max] of {result.reps} runs, positions interleaved; each checks that "
+        "its first batch is the batch at the restored position. "
+        "*data s* = setup + restore + first batch (the part that could depend on the position)."
+    )
+    md += ["", resume_table(result.results)]
+    md += [
+        "",
+        f"Late vs fresh (data s): {100 * result.growth:+.0f}% (target: no growth with position, within 25% or 0.1 s "
+        f"of timer noise: {_met(result.target_met)}).",
+    ]
+    return "\n".join(md)
+
+
+def resume_table(results: dict[str, dict[str, Any]]) -> str:
+    rows = [
+        [
+            name,
+            r["position"],
+            Stats(**r["total_s"]).fmt(2),
+            Stats(**r["data_s"]).fmt(2),
+            f"{r['imports_s']['median']:.2f}",
+            f"{r['setup_s']['median']:.2f}",
+            f"{r['load_state_s']['median'] * 1e3:.1f}",
+            f"{r['first_batch_s']['median']:.2f}",
+        ]
+        for name, r in results.items()
+    ]
+    headers = [
+        "start",
+        "position (batches)",
+        "total s",
+        "data s",
+        "imports s",
+        "setup s",
+        "load_state ms",
+        "first batch s",
+    ]
+    return markdown_table(headers, rows)
+
+
+# ------------------------------------------------------------------------------------------------------
+# files
+
+
+def _short(name: str) -> str:
+    """Strategy label without its parameters, for plot legends."""
+    return name.split(" (batch")[0]
+
+
+def _is_flattening(row: dict[str, Any]) -> bool:
+    return row["strategy"].startswith("DataCollatorWithFlattening")
+
+
+def plot_fill(cells: list[dict[str, Any]], path: str | os.PathLike) -> Path:
+    """Grouped bars: fill of every strategy in every (distribution, budget) cell."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if not cells:
+        raise ValueError("no packing cells to plot")
+    strategies: list[str] = []
+    for c in cells:
+        for r in c["rows"]:
+            if _short(r["strategy"]) not in strategies:
+                strategies.append(_short(r["strategy"]))
+    labels = [
+        f"{c['distribution']['name'].split('(')[0]}\nL={c['budget_tokens']}\nimages<={c['max_images']}" for c in cells
+    ]
+    width = 0.8 / len(strategies)
+    fig, ax = plt.subplots(figsize=(max(8.0, 1.9 * len(cells)), 5.0))
+    cmap = plt.get_cmap("tab10")
+    for k, s in enumerate(strategies):
+        xs, ys = [], []
+        for j, c in enumerate(cells):
+            for r in c["rows"]:
+                if _short(r["strategy"]) == s:
+                    xs.append(j + (k - (len(strategies) - 1) / 2) * width)
+                    # Padding-free flattening has no budget: plot its fill at the provisioned (peak) step size.
+                    ys.append(100.0 * (r["fill_at_peak"] if _is_flattening(r) else r["fill"]))
+        label = s + (" (at peak step)" if s.startswith("DataCollatorWithFlattening") else "")
+        ax.bar(xs, ys, width, label=label, color=cmap(k % 10))
+    ax.set_xticks(range(len(cells)))
+    ax.set_xticklabels(labels, fontsize=8)
+    ax.set_ylabel("fill: real tokens / slots (%)")
+    ax.set_ylim(0, 105)
+    ax.axhline(99, color="grey", lw=0.6, ls="--")
+    ax.set_title("Packing fill per strategy (higher is better; dashed line: 99%)")
+    ax.legend(fontsize=7, ncol=3, loc="lower center", bbox_to_anchor=(0.5, -0.42))
+    fig.tight_layout()
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return out
+
+
+def write_json(doc: dict[str, Any], path: str | os.PathLike) -> Path:
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(out.suffix + ".tmp")
+    tmp.write_text(json.dumps(doc, indent=1, sort_keys=False, default=str))
+    os.replace(tmp, out)
+    return out
