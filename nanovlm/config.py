@@ -186,7 +186,7 @@ class Config:
 # ----------------------------------------------------------------------------------------------------------
 # loading
 
-CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+CONFIG_DIR = Path(__file__).resolve().parent / "configs"  # the shipped configs (configs/ in a checkout links here)
 
 
 class ConfigError(ValueError):
