@@ -9,9 +9,10 @@ from nanovlm.data.analysis import LengthStats, collect, recommend, waste
 from nanovlm.data.index import DatasetIndex, ShardIndex, load_index
 
 
-def write_index(path, text_tokens, n_images, image_token_count=16, prompts=((), ())):
+def write_index(path, text_tokens, n_images, image_token_count=16, prompts=None):
     """An index.json with the given columns and no shard files (analysis must not need them)."""
     n = len(text_tokens)
+    prompts = prompts or ([1] * n, [0] * n)
     keys = [f"k{i}" for i in range(n)]
     shard = ShardIndex("shard-000000.tar", 0, n, keys, [0] * n, [512] * n, list(text_tokens), list(n_images),
                        [[[32, 32]] * m for m in n_images], *map(list, prompts))  # fmt: skip
@@ -30,7 +31,7 @@ def test_collect_expands_images(tmp_path):
     s = collect([idx, idx], image_token_count=16)
     assert s.total_tokens.tolist() == [10, 35, 60] * 2
     assert s.text_tokens.tolist() == [10, 20, 30] * 2 and s.n_images.tolist() == [0, 1, 2] * 2
-    assert s.prompt_tokens is None
+    assert s.prompt_tokens.tolist() == [1, 1, 1] * 2
     idx = write_index(tmp_path / "p", [10, 20, 30], [0, 1, 2], 16, prompts=([5, 6, 7], [0, 1, 2]))
     assert collect([idx], image_token_count=16).prompt_tokens.tolist() == [5, 21, 37]
 
@@ -82,7 +83,7 @@ def test_recommendation_rules():
 
 def test_truncate_recommendation_counts_samples_whose_prompt_fills_the_budget(tmp_path):
     stats = collect([write_index(tmp_path / "old", [1000] * 900 + [40000] * 100, [0] * 1000)], 16)
-    assert stats.prompt_tokens is None  # an index without the prompt columns: nothing to count
+    assert not any("a prompt of" in x for x in recommend(stats, cap=16384).reasons)  # every prompt is 1 token
     stats.prompt_tokens = np.asarray([10] * 900 + [20000] * 3 + [500] * 97)
     r = recommend(stats, cap=16384)
     assert r.overlength == "truncate" and any("3 of them have a prompt of 16384 tokens" in x for x in r.reasons)

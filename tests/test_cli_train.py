@@ -138,30 +138,30 @@ def test_resume_continues_metrics_and_a_fresh_start_never_mixes_runs(small_demo,
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == [checkpoint_name(s) for s in (1, 2, 3)]
 
 
-def _one_step_run_with_legacy_checkpoint(data, run_dir) -> bytes:
-    """Train one step, then rewrite its checkpoint in the layout before the fused projections (separate
-    q/k/v_proj and gate/up_proj). Returns the original checkpoint bytes."""
+def _one_step_run_with_unfused_checkpoint(data, run_dir) -> bytes:
+    """Train one step, then rewrite its checkpoint with separate q/k/v_proj and gate/up_proj tensors (the
+    layout of other Llama implementations). Returns the original checkpoint bytes."""
     import torch
 
     run_train(data, run_dir, "trainer.max_steps=1", "trainer.eval_at_end=false")
     path = run_dir / "checkpoints" / checkpoint_name(1)
     good = path.read_bytes()
     ckpt = torch.load(path, weights_only=True)
-    legacy = {}
+    unfused = {}
     for name, t in ckpt["state_dict"].items():
         if ".qkv_proj." in name and ".language." in name:
             h = t.shape[0] // 8  # MICRO_MODEL: 4 query heads + 2 x 2 kv heads
-            legacy |= dict(
+            unfused |= dict(
                 zip(
                     [name.replace("qkv_proj", p) for p in ("q_proj", "k_proj", "v_proj")],
                     t.split([4 * h, 2 * h, 2 * h]),
                 )
             )
         elif ".gate_up_proj." in name:
-            legacy |= dict(zip([name.replace("gate_up_proj", p) for p in ("gate_proj", "up_proj")], t.chunk(2)))
+            unfused |= dict(zip([name.replace("gate_up_proj", p) for p in ("gate_proj", "up_proj")], t.chunk(2)))
         else:
-            legacy[name] = t
-    ckpt["state_dict"] = legacy
+            unfused[name] = t
+    ckpt["state_dict"] = unfused
     torch.save(ckpt, path)
     return good
 
@@ -171,21 +171,21 @@ def _resume(data, run_dir, *extra: str) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=TIMEOUT)
 
 
-def _assert_legacy_error(proc: subprocess.CompletedProcess) -> None:
+def _assert_unfit_error(proc: subprocess.CompletedProcess) -> None:
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert "the checkpoint does not fit this model" in proc.stderr
     assert "tensor(s) missing: model.language.layers.0.self_attn.qkv_proj.weight" in proc.stderr
-    assert "written before the q/k/v and gate/up projections were fused" in proc.stderr
+    assert "the model.* config differs" in proc.stderr
     assert all(len(line) < 1200 for line in proc.stderr.splitlines() if "does not fit" in line)  # not every key
 
 
 def test_resuming_a_checkpoint_that_does_not_fit_the_model_is_a_clear_error(small_demo, tmp_path):  # noqa: F811
-    """A checkpoint of an older layout (separate q/k/v and gate/up) or of another model config stops the run
+    """A checkpoint of another layout (separate q/k/v and gate/up) or of another model config stops the run
     before training with one readable message naming a few tensors and the likely cause, not torch's list of
     every key; exit 2, no traceback."""
     run_dir = tmp_path / "run"
-    good = _one_step_run_with_legacy_checkpoint(small_demo, run_dir)
-    _assert_legacy_error(_resume(small_demo, run_dir))
+    good = _one_step_run_with_unfused_checkpoint(small_demo, run_dir)
+    _assert_unfit_error(_resume(small_demo, run_dir))
 
     (run_dir / "checkpoints" / checkpoint_name(1)).write_bytes(good)
     proc = _resume(small_demo, run_dir, "model.language.intermediate_size=64")  # another model config
@@ -227,8 +227,8 @@ def test_init_from_starts_a_new_stage_from_the_weights_only(small_demo, tmp_path
 def test_fsdp_resume_of_a_checkpoint_that_does_not_fit_is_the_same_clear_error(small_demo, tmp_path):  # noqa: F811
     """FSDP2 (ModelParallelStrategy) loads the weights before the LightningModule's hook: checked there too."""
     run_dir = tmp_path / "run"
-    _one_step_run_with_legacy_checkpoint(small_demo, run_dir)
-    _assert_legacy_error(_resume(small_demo, run_dir, "trainer.devices=2", "trainer.strategy=fsdp"))
+    _one_step_run_with_unfused_checkpoint(small_demo, run_dir)
+    _assert_unfit_error(_resume(small_demo, run_dir, "trainer.devices=2", "trainer.strategy=fsdp"))
 
 
 @pytest.mark.slow

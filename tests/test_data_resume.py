@@ -8,8 +8,9 @@ import torch
 from conftest import run_forked_ranks
 from test_datamodule import IMAGE_TOKENS, all_keys, make_cfg, make_dm, take
 
-from nanovlm.data.datamodule import DataPositionCallback, DataStateError, PackedMultimodalDataModule
+from nanovlm.data.datamodule import DataStateError, PackedMultimodalDataModule
 from nanovlm.data.reader import ShardReader
+from nanovlm.train.callbacks import DataPositionCallback
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +73,7 @@ def run_ranks(cfg, tokenizer, world_size, n_batches, state=None):
         dm = make_dm(cfg, tokenizer, rank, world_size)
         if state is not None:
             dm.load_state_dict(state)
-        n = n_batches if n_batches is not None else dm.current_plan().batches_per_rank() - dm._pos.consumed
+        n = n_batches if n_batches is not None else dm.current_plan().batches_per_rank() - dm.position.consumed
         keys += [k for b in take(dm, n) for k in b["sample_keys"]]
         states.append(dm.state_dict())
         dms.append(dm)
@@ -86,8 +87,8 @@ def test_elastic_resume_loses_and_repeats_nothing(data, tiny_tokenizer, old, new
     first, state, _ = run_ranks(old_cfg, tiny_tokenizer, old[0], 3)
     assert state["world_size"] == old[0] and len(state["ranks"]) == old[0]
     rest, _, dms = run_ranks(new_cfg, tiny_tokenizer, new[0], None, state)
-    assert all(dm._pos.epoch == 1 for dm in dms)  # every new rank finished the epoch after the same number of steps
-    carry = [dms[0].table.keys[g] for g in dms[0]._pos.carry_in]
+    assert all(dm.position.epoch == 1 for dm in dms)  # every new rank finished the epoch after the same number of steps
+    carry = [dms[0].table.keys[g] for g in dms[0].position.carry_in]
     seen = first + rest
     assert len(seen) == len(set(seen))  # nothing repeated
     assert sorted(seen + carry) == all_keys(data / "a", data / "b")  # nothing lost (carry opens epoch 1)
@@ -107,10 +108,10 @@ def test_elastic_resume_at_the_end_of_an_epoch_onto_more_slots(data, tiny_tokeni
     dms = [make_dm(new_cfg, tiny_tokenizer, r, 4) for r in range(4)]
     for d in dms:
         d.load_state_dict(state)
-        assert (d._pos.epoch, d._pos.consumed) == (1, 0)
-        assert sorted(d.table.keys[g] for g in d._pos.carry_in) == left  # nothing lost, nothing repeated
+        assert (d.position.epoch, d.position.consumed) == (1, 0)
+        assert sorted(d.table.keys[g] for g in d.position.carry_in) == left  # nothing lost, nothing repeated
     batch = take(dms[0], 1)[0]  # the stream starts at epoch 1, batch 0, and the position accepts it
-    assert (batch["meta"]["epoch"], batch["meta"]["index"]) == (1, 0) and dms[0]._pos.consumed == 1
+    assert (batch["meta"]["epoch"], batch["meta"]["index"]) == (1, 0) and dms[0].position.consumed == 1
 
 
 def test_changed_seed_or_data_is_refused(data, tiny_tokenizer):
@@ -144,7 +145,7 @@ def test_resume_seeks_instead_of_replaying(data, tiny_tokenizer, monkeypatch):
     counts = {}
     for c in (0, 10):
         dm = make_dm(cfg, tiny_tokenizer)
-        dm._pos.consumed = c  # a saved position, as load_state_dict would set it
+        dm.position.consumed = c  # a saved position, as load_state_dict would set it
         reads.clear()
         batch = next(iter(dm.train_dataloader()))
         assert batch["meta"]["index"] == c

@@ -14,11 +14,11 @@ import pytest
 import torch
 
 from nanovlm.config import load_config
-from nanovlm.data.datamodule import DataMismatchError, DataStateError, PackedMultimodalDataModule, SkipRateError
-from nanovlm.data.format import members_to_record
-from nanovlm.data.index import load_index, read_sample
+from nanovlm.data.datamodule import DataMismatchError, PackedMultimodalDataModule, SkipRateError
+from nanovlm.data.index import load_index
 from nanovlm.data.processing import SampleProcessor
 from nanovlm.data.producer import ProducerError
+from nanovlm.data.reader import ShardReader
 
 IMAGE_TOKENS = 16  # 32 px images, 4 px patches, pixel shuffle 2: the sample sizes these tests are built around
 
@@ -92,7 +92,7 @@ def test_packed_batches_match_per_sample_processing(data, tiny_tokenizer, overle
         pixels = []
         for j, key in enumerate(batch["sample_keys"]):
             sh, i = where[key]
-            rec = members_to_record(read_sample(idx.shard_path(sh), sh.offsets[i], sh.nbytes[i], key), key)
+            rec = ShardReader().read(str(idx.shard_path(sh)), sh.offsets[i], sh.nbytes[i], key)
             ref = proc.process(rec, max_tokens, overlength)
             a, b = cu[j], cu[j + 1]
             assert torch.equal(batch["input_ids"][0, a:b], ref.input_ids)
@@ -120,7 +120,7 @@ def test_each_sample_once_per_epoch_across_ranks_and_workers(data, tiny_tokenize
         assert dm.telemetry()["epoch"] == 1  # the rank finished its epoch after exactly n batches
         steps.add(n)
         seen += [k for b in batches for k in b["sample_keys"]]
-        carry = [dm.table.keys[g] for g in dm._pos.carry_in]  # cut at the epoch end, opening epoch 1
+        carry = [dm.table.keys[g] for g in dm.position.carry_in]  # cut at the epoch end, opening epoch 1
     assert len(steps) == 1  # every rank takes the same number of steps
     assert len(seen) == len(set(seen))  # disjoint
     assert sorted(seen + carry) == all_keys(data / "a", data / "b")  # complete (carry opens the next epoch)
@@ -180,7 +180,7 @@ def test_corrupt_members_are_skipped_and_counted(data, tiny_tokenizer, tmp_path)
     assert skipped == sorted(bad)
     tel = dm.telemetry()
     assert tel["skips_by_reason"] == {"corrupt_member": 3} and tel["last_epoch_skips"] == {"corrupt_member": 3}
-    assert len(seen) + 3 + len(dm._pos.carry_in) == 70
+    assert len(seen) + 3 + len(dm.position.carry_in) == 70
 
 
 def test_skip_rate_limit_names_dataset_and_reason(data, tiny_tokenizer, tmp_path):
@@ -295,7 +295,7 @@ def test_planned_overlength_skips_are_counted_once_per_epoch(data, tiny_tokenize
     seen = [k for b in take(dm, dm.current_plan().batches_per_rank()) for k in b["sample_keys"]]
     tel = dm.telemetry()
     assert tel["skips_by_reason"] == {"overlength": over} and tel["last_epoch_skips"] == {"overlength": over}
-    assert len(seen) + over + len(dm._pos.carry_in) == 70
+    assert len(seen) + over + len(dm.position.carry_in) == 70
 
 
 class _Tokens:
@@ -360,51 +360,4 @@ def test_truncation_that_would_leave_no_answer_is_a_planned_skip(long_prompts, t
     seen = [k for b in batches for k in b["sample_keys"]]
     assert not no_answer & set(seen)
     assert dm.telemetry()["skips_by_reason"] == {"overlength": len(no_answer)}
-    assert len(seen) + len(no_answer) + len(dm._pos.carry_in) == len(records)
-
-
-def test_an_index_without_prompt_columns_still_trains_with_truncation(long_prompts, tiny_tokenizer, tmp_path):
-    """Indexes written before the prompt columns: the read-time check still drops and counts those samples."""
-    path = copy_dataset(long_prompts[0], tmp_path / "old")
-    raw = json.loads((path / "index.json").read_text())
-    assert raw["version"] == 2
-    raw["version"] = 1  # as the older nanovlm wrote them
-    for sh in raw["shards"]:
-        del sh["prompt_tokens"], sh["prompt_images"]
-    (path / "index.json").write_text(json.dumps(raw))
-    dm = make_dm(make_cfg([path], max_tokens=96, overlength="truncate", max_skip_rate=0.5), tiny_tokenizer)
-    assert (dm.table.prompt == -1).all() and "overlength" not in dm.current_plan().skipped
-    batches = take(dm, dm.current_plan().batches_per_rank())
-    assert dm.telemetry()["skips_by_reason"] == {"overlength": 4}
-    assert sum(b["meta"]["real_tokens"] == 0 for b in batches) == 4  # the old behaviour: one empty pack each
-
-
-def test_resuming_truncation_after_the_index_gained_prompt_columns_is_refused(long_prompts, tiny_tokenizer, tmp_path):
-    """Under truncation the plan changes when the prompt columns appear (or go) and some sample's prompt alone fills
-    max_tokens: a resume would land elsewhere. Where no sample is affected, or under drop, it resumes."""
-    path = copy_dataset(long_prompts[0], tmp_path / "d")
-    new = (path / "index.json").read_text()
-    raw = json.loads(new)
-    for sh in raw["shards"]:
-        del sh["prompt_tokens"], sh["prompt_images"]
-    old = json.dumps(raw)
-    cases = [  # (overlength, max_tokens, index saved with, index resumed with, refused)
-        ("truncate", 96, old, new, True),
-        ("truncate", 96, new, old, True),
-        ("truncate", 512, old, new, False),  # no prompt reaches 512: the same plan either way
-        ("drop", 96, old, new, False),  # drop plans the same packs either way
-    ]
-    for overlength, max_tokens, before, after, refused in cases:
-        cfg = make_cfg([path], max_tokens=max_tokens, overlength=overlength, max_skip_rate=0.5)
-        (path / "index.json").write_text(before)
-        dm = make_dm(cfg, tiny_tokenizer)
-        take(dm, 2)
-        state = dm.state_dict()
-        (path / "index.json").write_text(after)
-        dm = make_dm(cfg, tiny_tokenizer)
-        if refused:
-            with pytest.raises(DataStateError, match="truncate_skips_prompt_only_samples"):
-                dm.load_state_dict(state)
-        else:
-            dm.load_state_dict(state)
-            assert dm.state_dict()["ranks"] == state["ranks"]
+    assert len(seen) + len(no_answer) + len(dm.position.carry_in) == len(records)

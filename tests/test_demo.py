@@ -20,7 +20,8 @@ from nanovlm.data.demo import (
     generate_records,
     make_demo_data,
 )
-from nanovlm.data.index import load_index, read_sample
+from nanovlm.data.index import load_index
+from nanovlm.data.reader import ShardReader
 from nanovlm.data.tokenizer import load_tokenizer, tokenizer_fingerprint
 
 
@@ -85,7 +86,8 @@ def test_deterministic_and_held_out(tmp_path):
     val_imgs = {r.images[0] for r in generate_records(12, "val") if r.images}
     assert not train_imgs & val_imgs
     # The answer is stored in the sample json.
-    members = read_sample(tr.shard_path(0), tr.shards[0].offsets[0], tr.shards[0].nbytes[0])
+    sh = tr.shards[0]
+    members = ShardReader().read_members(str(tr.shard_path(0)), sh.offsets[0], sh.nbytes[0], sh.keys[0])
     first = next(generate_records(1, "train"))
     assert b'"task":"' + first.extra["task"].encode() in members["json"]
 

@@ -9,9 +9,10 @@ import webdataset as wds
 from conftest import synthetic_image, synthetic_records
 
 from nanovlm.data.format import Record, SampleError, members_to_record
-from nanovlm.data.index import DatasetIndexError, load_index, read_sample, scan_tar
+from nanovlm.data.index import DatasetIndexError, load_index, scan_tar
 from nanovlm.data.prepare import write_dataset
 from nanovlm.data.processing import SampleProcessor
+from nanovlm.data.reader import ShardReader
 from nanovlm.data.tokenizer import tokenizer_fingerprint
 
 
@@ -55,14 +56,14 @@ def test_byte_ranges_and_webdataset_reads_the_shards(tmp_path, make_dataset):
         streamed = list(wds.WebDataset(str(path), shardshuffle=False, empty_check=False))
         assert [s["__key__"] for s in streamed] == shard.keys
         for i, key in enumerate(shard.keys):
-            members = read_sample(path, shard.offsets[i], shard.nbytes[i], expected_key=key)
+            members = ShardReader().read_members(str(path), shard.offsets[i], shard.nbytes[i], key)
             assert shard.offsets[i] % 512 == 0 and shard.nbytes[i] % 512 == 0
             rec = members_to_record(members, key)
             assert rec.messages == records[key].messages and rec.images == records[key].images
             assert rec.extra == records[key].extra
             assert {k: v for k, v in streamed[i].items() if not k.startswith("__")} == members
-        with pytest.raises(ValueError, match="index says"):
-            read_sample(path, shard.offsets[1], shard.nbytes[1], expected_key=shard.keys[0])
+        with pytest.raises(SampleError, match="another key"):
+            ShardReader().read_members(str(path), shard.offsets[1], shard.nbytes[1], shard.keys[0])
 
 
 def test_tar_metadata_is_fixed(tmp_path, make_dataset):
@@ -134,7 +135,7 @@ def test_image_format_is_sniffed_and_exotic_formats_become_png(tmp_path, tiny_to
         [buf.getvalue(), jpeg],
     )
     idx = write_dataset([rec], tmp_path / "d", tiny_tokenizer, 16)
-    members = read_sample(idx.shard_path(0), 0, idx.shards[0].nbytes[0])
+    members = ShardReader().read_members(str(idx.shard_path(0)), 0, idx.shards[0].nbytes[0], "k")
     assert sorted(members) == ["0.png", "1.jpg", "json"]
     assert members["1.jpg"] == jpeg
     assert Image.open(io.BytesIO(members["0.png"])).getpixel((0, 0)) == (1, 2, 3)
@@ -291,13 +292,15 @@ def test_prepare_data_formats_and_every_skip_reason(tmp_path, user_data, tiny_to
     # The written samples are what training reads: LLaVA turned into messages, caption into the caption prompt.
     proc = SampleProcessor(tiny_tokenizer, 8, 16)
     s = idx.shards[0]
-    rec = members_to_record(read_sample(idx.shard_path(0), s.offsets[1], s.nbytes[1]), s.keys[1])
+    read = ShardReader().read
+    rec = read(str(idx.shard_path(0)), s.offsets[1], s.nbytes[1], s.keys[1])
     assert rec.messages == [{"role": "user", "content": "<image>\nColour?"}, {"role": "assistant", "content": "Blue."}]
     assert rec.extra == {"id": "L1"} and rec.images == [(imgs / "blue.jpg").read_bytes()]
     assert s.text_tokens[1] == proc.text_tokens(rec.messages)
-    rec = members_to_record(read_sample(idx.shard_path(0), s.offsets[2], s.nbytes[2]), s.keys[2])
+    rec = read(str(idx.shard_path(0)), s.offsets[2], s.nbytes[2], s.keys[2])
     assert rec.messages[-1]["content"] == "a red square"
-    assert sorted(read_sample(idx.shard_path(0), s.offsets[2], s.nbytes[2])) == ["0.png", "json"]  # sniffed
+    members = ShardReader().read_members(str(idx.shard_path(0)), s.offsets[2], s.nbytes[2], s.keys[2])
+    assert sorted(members) == ["0.png", "json"]  # sniffed
 
 
 def test_prepare_data_allow_absolute_and_image_root(tmp_path, user_data, tiny_tokenizer):
@@ -375,7 +378,7 @@ def test_prepare_data_index_only_for_existing_webdataset(tmp_path, tiny_tokenize
     proc = SampleProcessor(tiny_tokenizer, 8, 16)
     for shard in idx.shards:
         for i, key in enumerate(shard.keys):
-            rec = members_to_record(read_sample(idx.shard_path(shard), shard.offsets[i], shard.nbytes[i], key), key)
+            rec = ShardReader().read(str(idx.shard_path(shard)), shard.offsets[i], shard.nbytes[i], key)
             assert shard.text_tokens[i] == proc.text_tokens(rec.messages)
             assert (shard.text_tokens[i], shard.prompt_tokens[i], shard.prompt_images[i]) == proc.token_counts(
                 rec.messages

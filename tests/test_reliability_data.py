@@ -6,7 +6,7 @@ Levels, from the smallest unit to the whole stream:
 * one sample's members -> ``members_to_record`` / ``SampleProcessor`` raise ``SampleError`` with the exact reason;
 * one image -> decoded upright and RGB whatever its mode, or refused (unreadable / too large) before decoding;
 * a dataset directory -> ``load_index`` refuses missing, truncated, empty or zero-byte shards by name;
-  ``read_sample`` refuses a byte range that does not hold the indexed key;
+  ``ShardReader`` refuses a byte range that does not hold the indexed key;
 * the DataModule stream -> bad samples are skipped and counted per reason in ``telemetry()``, every good sample
   is still delivered, and ``data.max_skip_rate`` turns a mostly-broken dataset into an error.
 """
@@ -44,8 +44,9 @@ from faults import (
 from PIL import Image
 
 from nanovlm.data.format import Record, SampleError, members_to_record, parse_jsonl_line
-from nanovlm.data.index import DatasetIndexError, load_index, read_sample
+from nanovlm.data.index import DatasetIndexError, load_index
 from nanovlm.data.processing import SampleProcessor
+from nanovlm.data.reader import ShardReader
 
 IMAGE_SIZE = 32
 TOKENS_PER_IMAGE = 4
@@ -283,10 +284,11 @@ def test_index_offsets_pointing_at_another_sample_are_detected(dataset):
     """A stale index (same shard size, other sample order) must not silently feed the wrong sample."""
     index = load_index(dataset)
     shard = index.shards[0]
-    with pytest.raises(ValueError, match="s00001"):
-        read_sample(index.shard_path(0), shard.offsets[1], shard.nbytes[1], expected_key=shard.keys[0])
-    with pytest.raises(ValueError, match="spans keys"):
-        read_sample(index.shard_path(0), shard.offsets[0], shard.nbytes[0] + shard.nbytes[1], shard.keys[0])
+    path, read = str(index.shard_path(0)), ShardReader().read_members
+    with pytest.raises(SampleError, match="s00001"):
+        read(path, shard.offsets[1], shard.nbytes[1], shard.keys[0])
+    with pytest.raises(SampleError, match="another key"):
+        read(path, shard.offsets[0], shard.nbytes[0] + shard.nbytes[1], shard.keys[0])
 
 
 def test_corrupt_header_is_detected_when_the_sample_is_read(dataset):
@@ -300,10 +302,11 @@ def test_corrupt_header_is_detected_when_the_sample_is_read(dataset):
     member = [start for _, start, _ in member_spans(path)].index(shard.offsets[3])
     corrupt_header(path, member)
     load_index(dataset)  # size unchanged: not visible at setup
-    with pytest.raises(ValueError, match=str(path.name)):
-        read_sample(path, shard.offsets[3], shard.nbytes[3], expected_key=shard.keys[3])
+    read = ShardReader().read_members
+    with pytest.raises(SampleError, match="corrupt_member"):
+        read(str(path), shard.offsets[3], shard.nbytes[3], shard.keys[3])
     for i in (0, 1, 2, 4, 5, 6, 7):  # every other sample of the shard still reads
-        assert read_sample(path, shard.offsets[i], shard.nbytes[i], expected_key=shard.keys[i])
+        assert read(str(path), shard.offsets[i], shard.nbytes[i], shard.keys[i])
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 
 from nanovlm.data.shards import (
+    ConsumedPart,
     PackSpec,
     PlanError,
     SampleTable,
-    Segment,
     Topology,
     balanced_chunks,
     build_epoch_plan,
@@ -33,6 +33,8 @@ def make_table(shard_sizes_per_dir, seed=0, image_token_count=4, max_text=300):
                     "nbytes": [512 * 4] * n,
                     "text_tokens": rng.integers(5, max_text, n).tolist(),
                     "n_images": rng.integers(0, 3, n).tolist(),
+                    "prompt_tokens": [4] * n,
+                    "prompt_images": [0] * n,
                 }
             )
         datasets.append((f"d{d}", shards))
@@ -164,7 +166,7 @@ def test_elastic_replan_of_a_small_remainder_ends_the_epoch():
     consumed = old.batches_per_rank() - 1
     left = old.order[old.pack(0, consumed)].tolist() + old.carry_out.tolist()
     assert 0 < len(left) < 8
-    rest = build_epoch_plan(t, SPEC, Topology(4, 2), seed=0, epoch=3, history=[Segment(1, 0, consumed)])
+    rest = build_epoch_plan(t, SPEC, Topology(4, 2), seed=0, epoch=3, history=[ConsumedPart(1, 0, consumed)])
     assert rest.packs_per_slot == 0 and sorted(rest.carry_out.tolist()) == sorted(left)
     nxt = build_epoch_plan(t, SPEC, Topology(4, 2), seed=0, epoch=4, carry_in=rest.carry_out)
     check_partition(nxt, t)
@@ -189,7 +191,7 @@ def test_elastic_replan_continues_the_epoch_without_loss_or_repeat(old, new):
     consumed = old_plan.batches_per_rank() // 2 + 1
     done = old_plan.consumed_positions(consumed)
     rest = build_epoch_plan(
-        t, SPEC, Topology(*new), seed=5, epoch=2, history=[Segment(*old, consumed)], shuffle_buffer=8
+        t, SPEC, Topology(*new), seed=5, epoch=2, history=[ConsumedPart(*old, consumed)], shuffle_buffer=8
     )
     check_partition(rest, t)
     got_old = old_plan.order[done].tolist()
@@ -247,7 +249,9 @@ def test_elastic_replan_does_not_skip_the_old_plans_skips_again():
     t = make_table(UNEVEN)
     old = build_epoch_plan(t, SPEC_SKIP, Topology(2, 1), seed=5, epoch=2, shuffle_buffer=8)
     assert old.skipped
-    rest = build_epoch_plan(t, SPEC_SKIP, Topology(1, 2), seed=5, epoch=2, history=[Segment(2, 1, 2)], shuffle_buffer=8)
+    rest = build_epoch_plan(
+        t, SPEC_SKIP, Topology(1, 2), seed=5, epoch=2, history=[ConsumedPart(2, 1, 2)], shuffle_buffer=8
+    )
     old_skipped = {int(old.order[p]) for v in old.skipped.values() for p in v}
     new_skipped = {int(rest.order[p]) for v in rest.skipped.values() for p in v}
     assert not old_skipped & new_skipped

@@ -53,12 +53,10 @@ def test_fingerprint_sees_chat_template(tiny_tokenizer, tmp_path):
 
 
 def test_fingerprint_sees_how_text_is_split_not_only_the_vocabulary(tiny_tokenizer, tmp_path):
-    """Same vocabulary, another pre-tokenizer (prefix space): other token counts, so another fingerprint. Indexes
-    written with the older vocabulary-only fingerprint are still recognised."""
+    """Same vocabulary, another pre-tokenizer (prefix space): other token counts, so another fingerprint."""
     import json
 
     from nanovlm.data.processing import SampleProcessor
-    from nanovlm.data.tokenizer import _legacy_fingerprint, accepted_fingerprints
 
     tiny_tokenizer.save_pretrained(tmp_path / "t")
     spec = json.loads((tmp_path / "t" / "tokenizer.json").read_text())
@@ -68,12 +66,8 @@ def test_fingerprint_sees_how_text_is_split_not_only_the_vocabulary(tiny_tokeniz
     msgs = [{"role": "user", "content": "what colour is it"}, {"role": "assistant", "content": "red"}]
     counts = [SampleProcessor(t, 8, 4).text_tokens(msgs) for t in (tiny_tokenizer, other)]
     assert counts[0] != counts[1]  # the change matters ...
-    assert _legacy_fingerprint(other) == _legacy_fingerprint(tiny_tokenizer)  # ... the old fingerprint missed it
+    assert other.get_vocab() == tiny_tokenizer.get_vocab()  # ... though the vocabulary is the same
     assert tokenizer_fingerprint(other) != tokenizer_fingerprint(tiny_tokenizer)
-    assert tokenizer_fingerprint(tiny_tokenizer) not in accepted_fingerprints(other)
-    assert _legacy_fingerprint(tiny_tokenizer) in accepted_fingerprints(tiny_tokenizer)  # an older index still loads
-    assert accepted_fingerprints(tiny_tokenizer)[0] == tokenizer_fingerprint(tiny_tokenizer)
-    assert "0123456789abcdef" not in accepted_fingerprints(tiny_tokenizer)
 
 
 def test_load_adds_missing_special_tokens(tmp_path):

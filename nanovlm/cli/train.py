@@ -87,7 +87,7 @@ def main(argv: Sequence[str] | None = None, default_configs: Sequence[str] = (DE
     except user_errors as e:  # their messages name the problem and the fix: no traceback
         print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
         return 2
-    from nanovlm.train.strategies import global_rank_from_env
+    from nanovlm.dist import global_rank_from_env
 
     if result.preempted and global_rank_from_env() == 0:  # every rank gets here: one message
         cause = "by a signal" if result.stopped_by_signal else "as trainer.stop_at_step asks"

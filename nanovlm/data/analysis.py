@@ -34,8 +34,7 @@ class LengthStats:
     n_images: np.ndarray
     image_token_count: int
     sources: list[str] = field(default_factory=list)
-    prompt_tokens: np.ndarray | None = None  # per sample, before the first loss token, images expanded (None: an
-    # index written before the prompt columns)
+    prompt_tokens: np.ndarray | None = None  # per sample, before the first loss token, images expanded
 
     @property
     def num_samples(self) -> int:
@@ -48,8 +47,9 @@ def collect(indexes: list[DatasetIndex], image_token_count: int) -> LengthStats:
     imgs = [n for idx in indexes for s in idx.shards for n in s.n_images]
     text_a, imgs_a = np.asarray(text, dtype=np.int64), np.asarray(imgs, dtype=np.int64)
     total = text_a + imgs_a * (image_token_count - 1)
-    per_shard = [s.prompt_lengths(image_token_count) for idx in indexes for s in idx.shards]
-    prompts = None if any(p is None for p in per_shard) else np.asarray([t for p in per_shard for t in p], np.int64)
+    prompts = np.asarray(
+        [t for idx in indexes for s in idx.shards for t in s.prompt_lengths(image_token_count)], np.int64
+    )
     return LengthStats(text_a, total, imgs_a, image_token_count, [str(i.root) for i in indexes], prompts)
 
 

@@ -5,7 +5,7 @@ samples load in a second. Shard ``name`` is a path relative to the index's direc
 name; ``../other/x.tar`` when an index was written for shards that live elsewhere).
 
 ``scan_tar`` groups a tar's members by sample key and records each sample's byte range, so a reader can
-seek straight to one sample (``read_sample``) instead of streaming the shard.
+seek straight to one sample (``reader.ShardReader``) instead of streaming the shard.
 """
 
 from __future__ import annotations
@@ -18,10 +18,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 INDEX_FILE = "index.json"
-# 2 added the optional prompt columns. Older nanovlm versions refuse a version-2 index by its number (they
-# would fail on the unknown fields otherwise); this version reads both.
 INDEX_VERSION = 2
-READABLE_VERSIONS = (1, 2)
 _BLOCK = 512
 
 
@@ -42,8 +39,8 @@ class ShardIndex:
     text_tokens: list[int] = field(default_factory=list)  # tokens with each <image> counted once
     n_images: list[int] = field(default_factory=list)
     image_sizes: list[list[list[int]]] = field(default_factory=list)  # per sample, per image: [width, height]
-    # Before the first loss token: tokens (each <image> counted once) and images. Empty in an index written
-    # before these columns existed; only data.overlength=truncate uses them.
+    # Before the first loss token: tokens (each <image> counted once) and images; data.overlength=truncate skips
+    # a sample whose prompt alone fills the limit, without reading it.
     prompt_tokens: list[int] = field(default_factory=list)
     prompt_images: list[int] = field(default_factory=list)
 
@@ -51,10 +48,8 @@ class ShardIndex:
         """Tokens per sample after image expansion, for a model with ``image_token_count`` tokens per image."""
         return [t + n * (image_token_count - 1) for t, n in zip(self.text_tokens, self.n_images)]
 
-    def prompt_lengths(self, image_token_count: int) -> list[int] | None:
-        """Tokens before each sample's first loss token after image expansion; None for an older index."""
-        if not self.prompt_tokens and self.num_samples:
-            return None
+    def prompt_lengths(self, image_token_count: int) -> list[int]:
+        """Tokens before each sample's first loss token after image expansion."""
         return [t + n * (image_token_count - 1) for t, n in zip(self.prompt_tokens, self.prompt_images)]
 
 
@@ -99,8 +94,7 @@ class DatasetIndex:
         return path
 
 
-_LIST_FIELDS = ("keys", "offsets", "nbytes", "text_tokens", "n_images", "image_sizes")
-_OPTIONAL_LIST_FIELDS = ("prompt_tokens", "prompt_images")  # absent (empty) in an index from an older version
+_LIST_FIELDS = ("keys", "offsets", "nbytes", "text_tokens", "n_images", "image_sizes", "prompt_tokens", "prompt_images")
 
 
 def load_index(directory: str | os.PathLike, check_files: bool = True) -> DatasetIndex:
@@ -120,10 +114,10 @@ def load_index(directory: str | os.PathLike, check_files: bool = True) -> Datase
         raw = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise DatasetIndexError(f"{path} is not valid JSON: {e}") from None
-    if not isinstance(raw, dict) or raw.get("version") not in READABLE_VERSIONS:
+    if not isinstance(raw, dict) or raw.get("version") != INDEX_VERSION:
         raise DatasetIndexError(
             f"{path}: unsupported index version {raw.get('version') if isinstance(raw, dict) else raw!r} (this "
-            f"nanovlm reads {', '.join(map(str, READABLE_VERSIONS))}: a newer version wrote it, or it is not an index)"
+            f"nanovlm reads version {INDEX_VERSION}: re-run scripts/prepare_data.py, or it is not an index)"
         )
     shards = []
     for i, s in enumerate(raw.get("shards", [])):
@@ -131,8 +125,7 @@ def load_index(directory: str | os.PathLike, check_files: bool = True) -> Datase
             shard = ShardIndex(**s)
         except TypeError as e:
             raise DatasetIndexError(f"{path}: shard {i} has bad fields: {e}") from None
-        optional_absent = all(not getattr(shard, f) for f in _OPTIONAL_LIST_FIELDS)
-        for f in _LIST_FIELDS + (() if optional_absent else _OPTIONAL_LIST_FIELDS):
+        for f in _LIST_FIELDS:
             if len(getattr(shard, f)) != shard.num_samples:
                 raise DatasetIndexError(
                     f"{path}: shard {shard.name} has {len(getattr(shard, f))} {f} for {shard.num_samples} samples"
@@ -218,41 +211,3 @@ def _check_archive_end(path: str | os.PathLike, offset: int) -> None:
                     "the samples from there on are lost"
                 )
             pos += len(chunk)
-
-
-def read_sample(
-    shard_path: str | os.PathLike, offset: int, nbytes: int, expected_key: str | None = None
-) -> dict[str, bytes]:
-    """Read one sample's members (suffix -> bytes) by its recorded byte range, without scanning the shard.
-
-    Raises ValueError when the range does not hold the members of a single key (or not ``expected_key``):
-    a stale index or a corrupt shard.
-    """
-    import io
-
-    with open(shard_path, "rb") as f:
-        f.seek(offset)
-        blob = f.read(nbytes)
-    if len(blob) != nbytes:
-        raise ValueError(f"{shard_path}: short read at offset {offset} ({len(blob)} of {nbytes} bytes)")
-    members: dict[str, bytes] = {}
-    key = None
-    try:
-        with tarfile.open(fileobj=io.BytesIO(blob + b"\0" * (2 * _BLOCK)), mode="r:") as tf:
-            for info in tf:
-                if not info.isfile():
-                    continue
-                k, suffix = split_member_name(info.name)
-                if key is None:
-                    key = k
-                elif k != key:
-                    raise ValueError(f"{shard_path}@{offset}: byte range spans keys {key!r} and {k!r}")
-                data = tf.extractfile(info)
-                members[suffix] = data.read() if data is not None else b""
-    except tarfile.TarError as e:
-        raise ValueError(f"{shard_path}@{offset}: not a tar sample ({e})") from None
-    if key is None:
-        raise ValueError(f"{shard_path}@{offset}: no tar member in the recorded byte range")
-    if expected_key is not None and key != expected_key:
-        raise ValueError(f"{shard_path}@{offset}: found key {key!r}, index says {expected_key!r} (stale index?)")
-    return members

@@ -56,7 +56,7 @@ def _effective(
 ) -> tuple[list[int], dict[str, list[int]], list[int]]:
     """Apply the over-length rule: returns (effective lengths, skipped by reason, truncated indices).
 
-    ``prompts`` (optional, -1 = unknown) are the tokens before each item's first loss token. Truncating an item
+    ``prompts`` (optional) are the tokens before each item's first loss token. Truncating an item
     whose prompt alone reaches the limit would leave nothing to learn from: it is skipped as ``overlength``
     here, rather than planned as a full pack that the reader then drops (an empty batch and a wasted step).
     """

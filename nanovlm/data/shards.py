@@ -49,7 +49,7 @@ class SampleTable:
     nbytes: np.ndarray  # int64 [N] byte size of the sample's tar members
     length: np.ndarray  # int64 [N] total tokens (text + image tokens) for the run's model
     n_images: np.ndarray  # int64 [N]
-    prompt: np.ndarray  # int64 [N] tokens before the first loss token (image-expanded); -1 = not in the index
+    prompt: np.ndarray  # int64 [N] tokens before the first loss token (image-expanded)
     keys: list[str]  # [N] sample keys
     shard_paths: list[str]  # [n_shards] absolute shard paths
     shard_dataset: np.ndarray  # int32 [n_shards] directory index of each shard
@@ -70,11 +70,11 @@ class SampleTable:
     @classmethod
     def from_shard_columns(cls, datasets: Sequence[tuple[str, Sequence[dict]]], image_token_count: int) -> SampleTable:
         """Build from ``[(dataset_name, [shard, ...]), ...]`` where each shard dict holds ``path``, ``keys``,
-        ``offsets``, ``nbytes``, ``text_tokens`` and ``n_images`` (the columns of index.json), and optionally
-        ``prompt_tokens`` and ``prompt_images`` (absent in an index from an older version: prompt = -1).
+        ``offsets``, ``nbytes``, ``text_tokens``, ``n_images``, ``prompt_tokens`` and ``prompt_images`` (the
+        columns of index.json).
 
         The directory fingerprints leave the prompt columns out: they follow from the hashed columns and the
-        tokenizer, and re-indexing old data to add them must not refuse a resume that plans the same packs."""
+        tokenizer."""
         cols: dict[str, list] = {k: [] for k in ("dataset", "shard", "offset", "nbytes", "text", "img", "prompt")}
         keys: list[str] = []
         paths: list[str] = []
@@ -86,10 +86,7 @@ class SampleTable:
             h = hashlib.sha1()
             for sh in shards:
                 n = len(sh["keys"])
-                has_prompt = sh.get("prompt_tokens") is not None and sh.get("prompt_images") is not None and n > 0
-                for col in ("offsets", "nbytes", "text_tokens", "n_images") + (
-                    ("prompt_tokens", "prompt_images") if has_prompt else ()
-                ):
+                for col in ("offsets", "nbytes", "text_tokens", "n_images", "prompt_tokens", "prompt_images"):
                     if len(sh[col]) != n:
                         raise PlanError(f"index of {name}: shard {sh['path']} has {n} keys but {len(sh[col])} {col}")
                 cols["dataset"].append(np.full(n, d, np.int32))
@@ -98,12 +95,8 @@ class SampleTable:
                 cols["nbytes"].append(np.asarray(sh["nbytes"], np.int64))
                 cols["text"].append(np.asarray(sh["text_tokens"], np.int64))
                 cols["img"].append(np.asarray(sh["n_images"], np.int64))
-                if has_prompt:
-                    prompt = np.asarray(sh["prompt_tokens"], np.int64)
-                    prompt = prompt + np.asarray(sh["prompt_images"], np.int64) * (image_token_count - 1)
-                else:
-                    prompt = np.full(n, -1, np.int64)
-                cols["prompt"].append(prompt)
+                prompt = np.asarray(sh["prompt_tokens"], np.int64)
+                cols["prompt"].append(prompt + np.asarray(sh["prompt_images"], np.int64) * (image_token_count - 1))
                 keys.extend(sh["keys"])
                 paths.append(str(sh["path"]))
                 shard_ds.append(d)
@@ -173,7 +166,7 @@ class PackSpec:
         return self.max_tokens
 
     def run(self, lengths: np.ndarray, n_images: np.ndarray, prompts: np.ndarray | None = None) -> packing.PackResult:
-        """Batch one slot's samples; ``prompts`` (tokens before each first loss token, -1 = unknown) lets
+        """Batch one slot's samples; ``prompts`` (tokens before each first loss token) lets
         truncation skip a sample whose cut would leave no answer."""
         if self.mode == "packed":
             return packing.pack_online(
@@ -407,7 +400,7 @@ def _no_pack_message(epoch: int, n: int, topology: Topology, skips: dict[str, np
 
 
 @dataclass(frozen=True)
-class Segment:
+class ConsumedPart:
     """Part of an epoch consumed under an earlier topology (for elastic resume)."""
 
     world_size: int
@@ -422,7 +415,7 @@ def build_epoch_plan(
     seed: int,
     epoch: int,
     carry_in: np.ndarray | Sequence[int] = (),
-    history: Sequence[Segment] = (),
+    history: Sequence[ConsumedPart] = (),
     weights: Sequence[float] = (),
     shuffle_buffer: int = 256,
     shuffle: bool = True,
@@ -437,9 +430,9 @@ def build_epoch_plan(
     """
     fresh = epoch_order(table, seed, epoch, weights, shuffle_buffer, shuffle)
     order = np.concatenate([np.asarray(carry_in, np.int64), fresh])
-    for seg in history:
-        old = plan_order(table, spec, Topology(seg.world_size, seg.num_workers), order, epoch)
-        gone = [old.consumed_positions(seg.consumed), *old.skipped.values()]
+    for part in history:
+        old = plan_order(table, spec, Topology(part.world_size, part.num_workers), order, epoch)
+        gone = [old.consumed_positions(part.consumed), *old.skipped.values()]
         keep = np.ones(len(order), bool)
         keep[np.concatenate(gone)] = False
         order = order[keep]

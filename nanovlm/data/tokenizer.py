@@ -127,8 +127,13 @@ def _hash(payload: dict) -> str:
     return hashlib.sha256(blob).hexdigest()[:16]
 
 
-def _legacy_fingerprint(tok: PreTrainedTokenizerBase) -> str:
-    """The fingerprint of indexes written before the probe was added (vocabulary, special tokens, template)."""
+def tokenizer_fingerprint(tok: PreTrainedTokenizerBase) -> str:
+    """Short hash of vocabulary, special tokens, chat template and how a probe text tokenizes.
+
+    Stored in a dataset index: token lengths in an index are only valid for the tokenizer that counted them.
+    The probe catches tokenizers with the same vocabulary that count differently (another pre-tokenizer,
+    normalizer or merge list).
+    """
     return _hash(
         {
             "vocab": sorted(tok.get_vocab().items()),
@@ -136,27 +141,8 @@ def _legacy_fingerprint(tok: PreTrainedTokenizerBase) -> str:
                 (t, tok.convert_tokens_to_ids(t)) for t in set(tok.all_special_tokens) | set(SPECIAL_TOKENS)
             ),
             "chat_template": getattr(tok, "chat_template", None) or "",
+            "probe": plain_text_tokenizer(tok)
+            .encode(_PROBE, add_special_tokens=False)
+            .ids,  # as SampleProcessor counts
         }
     )
-
-
-def _fingerprint_of(legacy: str, tok: PreTrainedTokenizerBase) -> str:
-    probe = plain_text_tokenizer(tok).encode(_PROBE, add_special_tokens=False).ids  # as SampleProcessor counts
-    return "2-" + _hash({"legacy": legacy, "probe": probe})
-
-
-def tokenizer_fingerprint(tok: PreTrainedTokenizerBase) -> str:
-    """Short hash of vocabulary, special tokens, chat template and how a probe text tokenizes.
-
-    Stored in a dataset index: token lengths in an index are only valid for the tokenizer that counted them.
-    The probe catches tokenizers with the same vocabulary that count differently (another pre-tokenizer,
-    normalizer or merge list); the ``2-`` prefix tells it from the older vocabulary-only fingerprint.
-    """
-    return _fingerprint_of(_legacy_fingerprint(tok), tok)
-
-
-def accepted_fingerprints(tok: PreTrainedTokenizerBase) -> tuple[str, str]:
-    """(current, older vocabulary-only) fingerprints of ``tok``: an index made by ``tok`` stores one of them
-    (the two never collide: only the current one has the ``2-`` prefix)."""
-    legacy = _legacy_fingerprint(tok)
-    return _fingerprint_of(legacy, tok), legacy

@@ -14,11 +14,10 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-import torch.distributed as dist
 
 from nanovlm.config import Config, ModelConfig
 from nanovlm.constants import IGNORE_INDEX
-from nanovlm.data.datamodule import DataPositionCallback
+from nanovlm.dist import all_reduce_sum, rank_world
 from nanovlm.model import batch_flops
 
 # Dense bf16 peak TFLOP/s per device, by a substring of torch.cuda.get_device_name() (checked in order, so the
@@ -57,12 +56,6 @@ def peak_tflops(configured: float, device: torch.device) -> float | None:
     return next((tf for key, tf in PEAK_TFLOPS if key in name), None)
 
 
-def _world() -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
 def batch_stats(batch: dict) -> dict[str, float]:
     """Real (non-padding) tokens, their samples' squared lengths (attention FLOPs), slots, samples, images and
     loss tokens of one batch. From ``meta`` (computed by the collate function, no device sync) when present."""
@@ -99,6 +92,19 @@ def batch_stats(batch: dict) -> dict[str, float]:
     }
 
 
+class DataPositionCallback(pl.Callback):
+    """Advances the DataModule's position after every trained batch.
+
+    Lightning runs callbacks' ``on_train_batch_end`` before the LightningModule's and runs checkpoint callbacks
+    last, so with this callback a checkpoint saved at a step holds the position after that step's batch.
+    """
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        dm = trainer.datamodule
+        if dm is not None and hasattr(dm, "on_batch_consumed"):  # ours, or one that keeps its position the same way
+            dm.on_batch_consumed(batch)
+
+
 class DataProgress(DataPositionCallback):
     """Tells the DataModule which batch was trained (DataPositionCallback: a checkpoint stores the trained
     position, not the prefetched one) and appends one line per micro-batch to ``<run_dir>/steps.jsonl`` (rank r > 0:
@@ -114,7 +120,7 @@ class DataProgress(DataPositionCallback):
         return self.run_dir / ("steps.jsonl" if rank == 0 else f"steps.rank{rank}.jsonl")
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        rank, _ = _world()
+        rank, _ = rank_world()
         self.micro = trainer.global_step * self.accumulate  # checkpoints are only written at step boundaries
         path = self.path(rank)
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -232,9 +238,8 @@ class Telemetry(pl.Callback):
         skipped = float(sum((dt.get("skips_by_reason") or {}).values()))  # this rank's; summed with the rest
         values = [self.acc[k] for k in self.KEYS] + [skipped]
         totals = torch.tensor(values, dtype=torch.float64, device=pl_module.device)
-        _, world = _world()
-        if world > 1:
-            dist.all_reduce(totals)
+        all_reduce_sum(totals)
+        _, world = rank_world()
         *summed, skipped = totals.tolist()
         t = dict(zip(self.KEYS, summed))
         optimizer = trainer.optimizers[0]

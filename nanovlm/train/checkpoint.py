@@ -23,10 +23,11 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO
+from lightning.pytorch.callbacks import Checkpoint
 
 from nanovlm.config import Config
+from nanovlm.dist import any_rank
 
 log = logging.getLogger(__name__)
 
@@ -108,8 +109,7 @@ def check_model_tensors(saved: dict[str, Any], expected: dict[str, Any], shown: 
     """Raise one readable error when a checkpoint's model tensors differ from the model's in names or shapes.
 
     Torch's own error lists every key of every layer; this names a few and says what usually causes it: a
-    changed ``model.*`` config, or a checkpoint of an older layout (q/k/v and gate/up projections became the
-    fused ``qkv_proj`` / ``gate_up_proj`` in 2026-11: such checkpoints cannot be resumed by this version).
+    changed ``model.*`` config.
     """
     missing = [k for k in expected if k not in saved]
     extra = [k for k in saved if k not in expected]
@@ -125,26 +125,19 @@ def check_model_tensors(saved: dict[str, Any], expected: dict[str, Any], shown: 
         if items:
             more = f" and {len(items) - shown} more" if len(items) > shown else ""
             parts.append(f"{len(items)} tensor(s) {what}: {', '.join(items[:shown])}{more}")
-    legacy = any(k.endswith(("q_proj.weight", "gate_proj.weight")) for k in extra)
-    cause = (
-        "it was written before the q/k/v and gate/up projections were fused (qkv_proj, gate_up_proj)"
-        if legacy
-        else "the model.* config differs from the one it was trained with (compare with the run's config.yaml)"
-    )
     raise CheckpointModelMismatchError(
-        f"the checkpoint does not fit this model ({'; '.join(parts)}): {cause}. Resume with the config and code "
+        f"the checkpoint does not fit this model ({'; '.join(parts)}): the model.* config differs from the one it "
+        "was trained with (compare with the run's config.yaml). Resume with the config and code "
         "that wrote it, or start a new trainer.run_dir (or set checkpoint.resume=none)."
     )
 
 
-def check_checkpoint_fits(path: Path, expected: dict[str, Any], fsdp: bool = False) -> None:
+def check_checkpoint_fits(path: Path, expected: dict[str, Any]) -> None:
     """Check the model tensors of the checkpoint to resume from against the model, before training starts.
 
     One place for every strategy (Lightning's DDP/single path and ModelParallelStrategy load the weights at
     different points). The file is memory-mapped, so only names and shapes are read. A file torch cannot read is
-    left to the real load, which reports it. Under FSDP2 (``fsdp``), a checkpoint whose optimizer state is keyed
-    by position (written without FSDP2 by a version before 2026-11-30) cannot be restored: said here, not as a
-    shape mismatch deep in the loader.
+    left to the real load, which reports it.
     """
     try:
         ckpt = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
@@ -152,13 +145,6 @@ def check_checkpoint_fits(path: Path, expected: dict[str, Any], fsdp: bool = Fal
         return
     if ckpt.get("state_dict"):
         check_model_tensors(ckpt["state_dict"], expected)
-    positional = any(isinstance(k, int) for s in ckpt.get("optimizer_states") or [] for k in s.get("state", {}))
-    if fsdp and positional:
-        raise CheckpointModelMismatchError(
-            f"{path} keys its optimizer state by position (written without FSDP by an older version), which FSDP2 "
-            "cannot restore: resume it once with trainer.strategy=ddp (or one process) to rewrite it, or start "
-            "from its weights only with checkpoint.init_from in a new trainer.run_dir"
-        )
 
 
 def load_weights(path: str | Path, module: torch.nn.Module) -> None:
@@ -225,16 +211,7 @@ class AtomicCheckpointIO(CheckpointIO):
         Path(path).unlink(missing_ok=True)
 
 
-def _any_rank(flag: bool, device: torch.device) -> bool:
-    """True on every rank if ``flag`` is True on any rank (a collective: all ranks must call it)."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return flag
-    t = torch.tensor([1 if flag else 0], device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t.item())
-
-
-class PeriodicCheckpoint(pl.Callback):
+class PeriodicCheckpoint(Checkpoint):
     """Save every ``every_n_steps`` optimizer steps and at the end, keep the newest ``keep_last``, and save then
     stop cleanly on SIGTERM / SIGUSR1 (SLURM preemption, ``kill``, ``scancel``), with or without SLURM.
 
@@ -295,7 +272,7 @@ class PeriodicCheckpoint(pl.Callback):
         if step == self._last_step:  # inside a gradient-accumulation window: not a step boundary
             return
         self._last_step = step
-        signalled = _any_rank(self._signal_received, pl_module.device)  # on any rank: the same answer on all
+        signalled = any_rank(self._signal_received, pl_module.device)  # on any rank: the same answer on all
         if (signalled or step == self.stop_at_step) and step < trainer.max_steps:
             path = self.save(trainer)
             self.preempted, self.by_signal = True, signalled

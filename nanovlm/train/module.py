@@ -14,10 +14,10 @@ from typing import Any
 import lightning.pytorch as pl
 import numpy as np
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from nanovlm.config import Config
+from nanovlm.dist import all_gather_object, all_reduce_sum, rank_world
 from nanovlm.model import build_model
 from nanovlm.train import optim, strategies
 
@@ -137,8 +137,7 @@ class VLMModule(pl.LightningModule):
     def on_validation_epoch_end(self) -> None:
         """Token-weighted mean loss over all ranks' validation packs."""
         totals = torch.stack([self._val_sum, self._val_tokens])
-        if dist.is_available() and dist.is_initialized():
-            dist.all_reduce(totals)
+        all_reduce_sum(totals)
         if totals[1] > 0:
             val_loss = (totals[0] / totals[1]).float()
             self.log("val_loss", val_loss, prog_bar=True, logger=False, sync_dist=False)
@@ -158,20 +157,13 @@ class VLMModule(pl.LightningModule):
         if len(states) == len(optimizers):
             names = {id(p): n for n, p in self.named_parameters()}
             checkpoint["optimizer_states"] = [optimizer_state_by_name(s, o, names) for s, o in zip(states, optimizers)]
-        state = _rng_state()
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            gathered: list[Any] = [None] * dist.get_world_size()
-            dist.all_gather_object(gathered, state)
-        else:
-            gathered = [state]
-        checkpoint["rng_states"] = gathered
+        checkpoint["rng_states"] = all_gather_object(_rng_state())
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         states = checkpoint.get("rng_states")
         if not states:
             return
-        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        rank, world = rank_world()
         if len(states) == world:
             _set_rng_state(states[rank])
         elif rank == 0:

@@ -5,7 +5,6 @@
 
 from __future__ import annotations
 
-import csv
 import fcntl
 import os
 import warnings
@@ -15,11 +14,9 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
-from lightning.pytorch.loggers import CSVLogger
-from lightning.pytorch.loggers.csv_logs import ExperimentWriter
-from lightning.pytorch.loggers.logger import rank_zero_experiment
 
 from nanovlm.config import Config, save_config
+from nanovlm.dist import global_rank_from_env
 from nanovlm.train import strategies
 from nanovlm.train.callbacks import DataProgress, StartSummary, Telemetry
 from nanovlm.train.checkpoint import (
@@ -32,6 +29,7 @@ from nanovlm.train.checkpoint import (
     load_weights,
     resolve_resume,
 )
+from nanovlm.train.metrics_csv import MetricsCSV
 from nanovlm.train.module import VLMModule
 
 
@@ -83,50 +81,6 @@ def ensure_data(cfg: Config) -> None:
         ensure_demo_data(root, image_token_count=image_token_count(cfg.model))
 
 
-class _ContinuingWriter(ExperimentWriter):
-    """Lightning's CSV writer, but an existing metrics.csv keeps its rows up to ``resume_step`` (Lightning's
-    deletes the file); what a killed run logged after its checkpoint is dropped, as those steps are trained and
-    logged again. A resumed run's metrics.csv then reads like one run, as steps.jsonl does."""
-
-    def __init__(self, log_dir: str, resume_step: int) -> None:
-        self.resume_step = resume_step
-        super().__init__(log_dir=log_dir)
-
-    def _check_log_dir_exists(self) -> None:  # called by __init__ before anything is logged
-        path = Path(self.metrics_file_path)
-        if not path.is_file():
-            return
-        header, rows = [], []
-        if self.resume_step > 0:
-            with path.open(newline="") as f:
-                reader = csv.DictReader(f)
-                header = sorted(reader.fieldnames or [])
-                rows = [r for r in reader if r.get("step") and float(r["step"]) <= self.resume_step]
-        path.unlink()
-        if rows:
-            with path.open("w", newline="") as f:
-                writer = csv.DictWriter(f, fieldnames=header)
-                writer.writeheader()
-                writer.writerows(rows)
-            self.metrics_keys = header  # the header new rows are appended under (extended when keys appear)
-
-
-class ContinuingCSVLogger(CSVLogger):
-    """``<run_dir>/csv/metrics.csv``, continued from ``resume_step`` when a run resumes (see _ContinuingWriter)."""
-
-    def __init__(self, run_dir: str, resume_step: int = 0) -> None:
-        super().__init__(run_dir, name="", version="csv")
-        self.resume_step = resume_step
-
-    @property
-    @rank_zero_experiment
-    def experiment(self) -> ExperimentWriter:
-        if self._experiment is None:
-            self._fs.makedirs(self.root_dir, exist_ok=True)
-            self._experiment = _ContinuingWriter(self.log_dir, self.resume_step)
-        return self._experiment
-
-
 def build_loggers(cfg: Config, resume_step: int = 0) -> list[Any]:
     """CSV (``<run_dir>/csv/metrics.csv``, continued from ``resume_step`` on resume), plus TensorBoard
     (``<run_dir>/tb``) when it is installed."""
@@ -134,7 +88,7 @@ def build_loggers(cfg: Config, resume_step: int = 0) -> list[Any]:
 
     if cfg.trainer.logger == "none":
         return []
-    loggers: list[Any] = [ContinuingCSVLogger(cfg.trainer.run_dir, resume_step)]
+    loggers: list[Any] = [MetricsCSV(cfg.trainer.run_dir, resume_step)]
     try:
         import tensorboard  # noqa: F401
 
@@ -195,7 +149,7 @@ def build_trainer(
         num_sanity_val_steps=0,
         log_every_n_steps=t.log_every_n_steps,
         logger=build_loggers(cfg, resume_step) or False,
-        enable_checkpointing=False,  # PeriodicCheckpoint does it
+        enable_checkpointing=True,  # PeriodicCheckpoint (a Checkpoint: Lightning adds no default one, and runs it last)
         enable_progress_bar=t.progress_bar,
         enable_model_summary=False,
         use_distributed_sampler=False,  # the DataModule splits the data over ranks itself
@@ -238,7 +192,7 @@ def train(
     resume_step = checkpoint_step(resume) if resume is not None else 0
     check_no_later_checkpoints(cfg, resume, resume_step)
     trainer, ckpt, telemetry = build_trainer(cfg, config_files, resume_step)
-    if strategies.global_rank_from_env() == 0:
+    if global_rank_from_env() == 0:
         save_config(cfg, cfg.trainer.run_dir)
         if resume is not None:
             print(f"[resume] from {resume}", flush=True)
@@ -249,10 +203,10 @@ def train(
                     flush=True,
                 )
     if resume is not None:
-        check_checkpoint_fits(resume, module.state_dict(), fsdp=cfg.trainer.strategy == "fsdp")
+        check_checkpoint_fits(resume, module.state_dict())
     elif cfg.checkpoint.init_from:  # a new stage: weights only, before the model is sharded or wrapped
         load_weights(cfg.checkpoint.init_from, module)
-        if strategies.global_rank_from_env() == 0:
+        if global_rank_from_env() == 0:
             print(f"[init] model weights from {cfg.checkpoint.init_from} (new optimizer, step 0)", flush=True)
     trainer.fit(module, datamodule=datamodule, ckpt_path=resume, weights_only=True)
     t = cfg.trainer

@@ -122,19 +122,3 @@ def launcher_topology(devices: Any, num_nodes: int) -> tuple[Any, int]:
             flush=True,
         )
     return per_node, nodes
-
-
-def world_size_from_env() -> int:
-    """World size known before Lightning starts processes (torchrun / SLURM), else 1."""
-    for var in ("WORLD_SIZE", "SLURM_NTASKS"):
-        if os.environ.get(var, "").isdigit():
-            return int(os.environ[var])
-    return 1
-
-
-def global_rank_from_env() -> int:
-    """This process's global rank before torch.distributed is initialised (0 when not launched by a launcher)."""
-    for var in ("RANK", "SLURM_PROCID", "LOCAL_RANK"):  # LOCAL_RANK: processes Lightning started on one node
-        if os.environ.get(var, "").isdigit():
-            return int(os.environ[var])
-    return 0

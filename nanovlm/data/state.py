@@ -1,0 +1,167 @@
+"""The data position saved in every checkpoint: where each rank is in the deterministic epoch plan.
+
+``DataState`` is what ``PackedMultimodalDataModule.state_dict()`` returns (as a plain dict, so checkpoints hold
+no class of ours), one for the whole job: the ranks step together, so one epoch / consumed pair describes
+them all, and ``ranks`` keeps each rank's skip counts. ``restore`` turns a saved state into the position to
+continue from: the same position when the topology is the same, or (elastic) the rest of the epoch re-planned
+over the new ranks and workers, with what the old topology consumed listed in ``history``.
+
+The ``config`` fingerprint names everything the epoch order depends on; a state whose fingerprint differs
+from the run's is refused with the list of what changed, since its position would mean other samples.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from nanovlm.config import DataConfig
+from nanovlm.data.shards import ConsumedPart, EpochPlan, PackSpec, SampleTable, Topology
+
+log = logging.getLogger(__name__)
+STATE_VERSION = 1
+
+
+class DataStateError(RuntimeError):
+    """A saved data state cannot be restored exactly (the message says what changed and what to do)."""
+
+
+@dataclass
+class Position:
+    """Where a rank is in the epoch plan."""
+
+    epoch: int = 0
+    consumed: int = 0  # batches of this epoch the rank has consumed (under the current topology)
+    carry_in: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # gids opening this epoch
+    history: tuple[ConsumedPart, ...] = ()  # parts of this epoch consumed under earlier topologies
+
+
+@dataclass
+class RankState:
+    """One rank's position and skip counts (``epoch_skips``: [reason, dataset, count] of this epoch)."""
+
+    rank: int
+    epoch: int
+    consumed: int
+    epoch_skips: list[list] = field(default_factory=list)
+    total_skips: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class DataState:
+    """The data position of a whole job, as saved in a checkpoint (``to_dict`` / ``from_dict``)."""
+
+    world_size: int
+    num_workers: int
+    carry_in: list[int]
+    history: list[tuple[int, int, int]]
+    config: dict[str, Any]  # the fingerprint (see ``fingerprint``)
+    dataset_names: list[str]  # for messages only: the content hashes in ``config`` decide
+    ranks: list[RankState]
+    version: int = STATE_VERSION
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> DataState:
+        if d.get("version") != STATE_VERSION:
+            raise DataStateError(f"data state version {d.get('version')} is not {STATE_VERSION}")
+        fields = {f.name for f in dataclasses.fields(cls)}
+        out = cls(**{k: v for k, v in d.items() if k in fields})
+        out.ranks = [RankState(**r) if isinstance(r, dict) else r for r in out.ranks]
+        return out
+
+    @staticmethod
+    def merge(states: list[DataState]) -> DataState:
+        """Combine per-rank states (each rank's own, or ranks simulated in one process) into one; they must agree."""
+        out = dataclasses.replace(states[0])
+        ranks = {r.rank: r for s in states for r in s.ranks}
+        out.ranks = [ranks[k] for k in sorted(ranks)]
+        for s in states[1:]:
+            for k in ("world_size", "num_workers", "carry_in", "history", "config"):
+                if getattr(s, k) != getattr(out, k):
+                    raise DataStateError(f"ranks disagree on the data state field {k!r}")
+        positions = {(r.epoch, r.consumed) for r in out.ranks}
+        if len(positions) > 1:
+            raise DataStateError(f"ranks are at different data positions {sorted(positions)}; they must step together")
+        return out
+
+
+def fingerprint(cfg: DataConfig, spec: PackSpec, table: SampleTable, image_token_count: int) -> dict[str, Any]:
+    """Everything the epoch order depends on. Under truncation that includes which samples are skipped because
+    their prompt alone fills the limit (the index's prompt columns decide it, and the dataset hashes leave them
+    out), named by a hash of their rows."""
+    out: dict[str, Any] = {
+        "seed": cfg.seed,
+        "datasets": list(table.fingerprints),
+        "weights": [float(w) for w in cfg.train_weights] or [1.0] * len(table.fingerprints),
+        "packing": dataclasses.asdict(spec),
+        "shuffle_buffer": cfg.shuffle_buffer,
+        "image_token_count": image_token_count,
+    }
+    if spec.overlength == "truncate":
+        prompt_only = np.flatnonzero((table.length > spec.limit) & (table.prompt >= spec.limit))
+        out["prompt_only_skips"] = hashlib.sha1(prompt_only.astype(np.int64).tobytes()).hexdigest()[:16]
+    return out
+
+
+def check_fingerprint(state: DataState, now: dict[str, Any], dataset_names: list[str]) -> None:
+    """Refuse a state saved under another seed, dataset, packing or model config, naming each change."""
+    saved = state.config
+    changed = [f"{k}: {saved.get(k)!r} -> {now.get(k)!r}" for k in {**saved, **now} if saved.get(k) != now.get(k)]
+    if saved.get("datasets") != now.get("datasets"):  # name the directories, not only the hashes
+        changed.append(f"data.train: {state.dataset_names} -> {dataset_names} (content hashes above)")
+    if changed:
+        raise DataStateError(
+            "cannot resume the data stream exactly: the data order depends on settings that changed since "
+            "the checkpoint (" + "; ".join(changed) + "). Restore the old values to resume exactly, or start "
+            "a new data stream from the checkpoint's weights: a new trainer.run_dir with "
+            "checkpoint.init_from=<the checkpoint>."
+        )
+
+
+def restore(
+    state: DataState, topology: Topology, rank: int, num_samples: int, plan: Callable[[Position], EpochPlan]
+) -> tuple[Position, list[RankState]]:
+    """The position for ``rank`` to continue from under ``topology``, and the rank states whose skip counts it
+    takes over.
+
+    Same topology: the saved position. Another world size or worker count mid-epoch: what the old topology
+    consumed joins ``history`` and the rest of the epoch is re-planned over the new slots; when too little is
+    left to give every new slot a batch, the epoch ends there and the rest opens the next one. The skip counts of
+    an elastic resume all go to rank 0 (the per-rank split no longer exists).
+    """
+    if len(state.ranks) != state.world_size:
+        raise DataStateError(
+            f"the data state holds {len(state.ranks)} of {state.world_size} ranks: it was saved without gathering "
+            "(call state_dict() on every rank under torch.distributed)"
+        )
+    epoch, consumed = state.ranks[0].epoch, state.ranks[0].consumed
+    history = tuple(ConsumedPart(*h) for h in state.history)
+    carry = np.asarray(state.carry_in, np.int64)
+    if carry.size and int(carry.max()) >= num_samples:
+        raise DataStateError("the data state carries samples that are not in the datasets")
+    same = (state.world_size, state.num_workers) == (topology.world_size, topology.num_workers)
+    if not same and consumed:
+        history = (*history, ConsumedPart(state.world_size, state.num_workers, consumed))
+        consumed = 0
+        log.info(
+            "data: resuming epoch %d with world_size=%d, workers=%d (saved with %d, %d): re-planning the rest",
+            epoch,
+            topology.world_size,
+            topology.num_workers,
+            state.world_size,
+            state.num_workers,
+        )
+    pos = Position(epoch, consumed, carry, history)
+    if history and plan(pos).packs_per_slot == 0:
+        log.info("data: the rest of epoch %d is too small for the new topology; it opens epoch %d", epoch, epoch + 1)
+        pos = Position(epoch + 1, 0, plan(pos).carry_out, ())
+    return pos, [r for r in state.ranks if r.rank == rank] if same else (state.ranks if rank == 0 else [])

@@ -1,0 +1,174 @@
+"""The stream of one rank's packed batches: what each DataLoader worker runs.
+
+A ``PackStream`` is picklable (no open files, no threads), so it travels to the DataLoader's worker processes.
+Each worker serves one slot of the plan (``slot = rank * slots_per_rank + worker``): it walks that slot's packs
+from the saved position on, epoch after epoch, and a background ``PackProducer`` reads, processes and collates
+them into a bounded queue. torch's DataLoader reads workers round-robin starting at worker 0, so after ``c``
+consumed batches worker ``w`` serves slot ``(w + c) % W``; the interleaved stream then equals the uninterrupted
+one, batch for batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from torch.utils.data import IterableDataset, get_worker_info
+
+from nanovlm.data.collate import collate_packed, collate_padded
+from nanovlm.data.format import SampleError
+from nanovlm.data.processing import SampleProcessor
+from nanovlm.data.producer import PackProducer, PlannedPack, Skip
+from nanovlm.data.reader import ShardReader
+from nanovlm.data.shards import EpochPlan, PackSpec, SampleTable, Topology, build_epoch_plan
+from nanovlm.data.state import Position
+
+log = logging.getLogger(__name__)
+
+
+class DataMismatchError(RuntimeError):
+    """A processed sample disagrees with its index entry (index made with another tokenizer or model)."""
+
+
+@dataclass
+class StreamSpec:
+    table: SampleTable
+    spec: PackSpec
+    topology: Topology
+    rank: int
+    seed: int
+    weights: tuple[float, ...]
+    shuffle_buffer: int
+    shuffle: bool
+    finite: bool  # validation: one pass of epoch 0, every sample once (short slots get empty packs), no carry
+    processor: SampleProcessor
+    pad_id: int
+    image_size: int
+    queue_size: int
+    read_ahead: int
+
+    def plan(self, pos: Position) -> EpochPlan:
+        return build_epoch_plan(
+            self.table,
+            self.spec,
+            self.topology,
+            self.seed,
+            pos.epoch,
+            pos.carry_in,
+            pos.history,
+            self.weights,
+            self.shuffle_buffer,
+            self.shuffle,
+            self.finite,
+        )
+
+
+class PackStream(IterableDataset):
+    """The rank's batches, read by one producer per DataLoader worker, in the plan's order."""
+
+    def __init__(self, s: StreamSpec, start: Position, first_plan: EpochPlan | None = None) -> None:
+        self.s, self.start, self._first_plan = s, start, first_plan
+
+    def _packs(self, local: int, first_pack: int) -> Iterator[PlannedPack]:
+        s, spr = self.s, self.s.topology.slots_per_rank
+        slot = s.rank * spr + local
+        pos = dataclasses.replace(self.start)
+        plan = self._first_plan if self._first_plan is not None else s.plan(pos)
+        k = first_pack
+        while True:
+            while k < plan.packs_per_slot:
+                positions = plan.pack(slot, k)
+                gids = plan.order[positions]
+                extra: dict[str, Any] = {"epoch": pos.epoch, "index": k * spr + local, "worker_slot": slot}
+                if k == 0:  # the skips the planner made in this slot's chunk, reported once per epoch
+                    # plain dicts: torch's default_convert/pin_memory copy a mapping and then update() it, which
+                    # would add a Counter's counts twice
+                    extra["planned_skips"] = {
+                        r: dict(Counter(s.table.dataset[plan.order[p]].tolist()))
+                        for r, p in plan.slot_skips(slot).items()
+                    }
+                if k == plan.packs_per_slot - 1 and local == spr - 1:  # the rank's last batch of the epoch
+                    extra["epoch_end"] = True  # carry it, so the training process never re-plans to find the end
+                    extra["carry_out"] = plan.carry_out.tolist()
+                yield PlannedPack(
+                    pos.epoch,
+                    k * spr + local,
+                    refs=[int(g) for g in gids],
+                    order=[int(p) for p in positions],
+                    planned_lengths=[int(n) for n in plan.lengths[positions]],
+                    extra=extra,
+                )
+                k += 1
+            if s.finite:
+                return
+            k -= plan.packs_per_slot
+            pos = Position(pos.epoch + 1, 0, plan.carry_out, ())
+            plan = s.plan(pos)
+
+    def __iter__(self) -> Iterator[dict]:
+        s = self.s
+        info = get_worker_info()
+        worker = info.id if info is not None else 0
+        spr = s.topology.slots_per_rank
+        if info is not None and info.num_workers != spr:
+            raise RuntimeError(f"stream planned for {spr} workers runs on {info.num_workers}")
+        c = self.start.consumed
+        local = (worker + c) % spr  # rotation: the DataLoader reads worker 0 first
+        reader = ShardReader()
+        t, limit = s.table, s.spec.limit
+        # with "drop" the plan already left out over-length samples: process without a limit, so a sample whose
+        # real length disagrees with the index fails the length check below instead of passing as a skip
+        limit_arg = limit if s.spec.overlength == "truncate" else None
+        planned: dict[int, int] = {}
+
+        def load(gid: int):
+            key = t.keys[gid]
+            record = reader.read(t.shard_paths[t.shard[gid]], int(t.offset[gid]), int(t.nbytes[gid]), key)
+            sample = s.processor.process(record, limit_arg, s.spec.overlength)
+            n, want = int(sample.input_ids.numel()), planned[gid]
+            if n != want and not (sample.truncated and n <= want):
+                raise DataMismatchError(
+                    f"sample {key!r} of {t.dataset_names[t.dataset[gid]]} has {n} tokens after processing but its "
+                    f"index says {want}: the index was made with another tokenizer or image token count. Re-run "
+                    "scripts/prepare_data.py with this run's tokenizer and model config."
+                )
+            return sample
+
+        def assemble(pack: PlannedPack, samples: list, skips: list[Skip]) -> dict:
+            for sk in skips:
+                log.warning("skipped sample %s (%s): %s", sk.key, sk.reason, sk.detail)
+            meta = dict(pack.extra)
+            meta["skips"] = [(t.keys[sk.ref], sk.reason, int(t.dataset[sk.ref])) for sk in skips]
+            if s.spec.mode == "packed":
+                return collate_packed(samples, s.spec.max_tokens, s.pad_id, s.image_size, meta)
+            return collate_padded(samples, s.pad_id, s.image_size, meta)
+
+        def key_of(gid: int) -> str:
+            return f"{t.keys[gid]} ({t.shard_paths[t.shard[gid]]})"
+
+        def packs() -> Iterator[PlannedPack]:
+            for p in self._packs(local, (worker + c) // spr):
+                planned.update(zip(p.refs, p.planned_lengths))
+                yield p
+
+        producer = PackProducer(
+            packs(),
+            load,
+            assemble,
+            key_of,
+            queue_size=s.queue_size,
+            read_ahead=s.read_ahead,
+            skip_exceptions=(SampleError,),
+            name=f"pack-producer-r{s.rank}w{worker}",
+        )
+        try:
+            for batch in producer:
+                batch["meta"]["queue_depth"] = producer.qsize()
+                yield batch
+        finally:
+            producer.close()
+            reader.close()

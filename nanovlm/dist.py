@@ -1,0 +1,54 @@
+"""Rank and world size, in one place: from torch.distributed once it is up, from the launcher's environment before.
+
+Every helper works without torch.distributed (one process: rank 0 of 1), so callers never check for it.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+def initialized() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def rank_world() -> tuple[int, int]:
+    """(rank, world size) of the initialised process group, else (0, 1)."""
+    return (dist.get_rank(), dist.get_world_size()) if initialized() else (0, 1)
+
+
+def all_gather_object(obj: Any) -> list[Any]:
+    """Every rank's ``obj`` in rank order (a collective: all ranks must call it); ``[obj]`` in one process."""
+    if not initialized() or dist.get_world_size() == 1:
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def any_rank(flag: bool, device: torch.device) -> bool:
+    """True on every rank if ``flag`` is True on any rank (a collective: all ranks must call it)."""
+    if not initialized() or dist.get_world_size() == 1:
+        return flag
+    t = torch.tensor([1 if flag else 0], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
+def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
+    """``t`` summed over ranks, in place (a collective); unchanged in one process."""
+    if initialized():
+        dist.all_reduce(t)
+    return t
+
+
+def global_rank_from_env() -> int:
+    """This process's global rank before torch.distributed is initialised (0 when not launched by a launcher)."""
+    for var in ("RANK", "SLURM_PROCID", "LOCAL_RANK"):  # LOCAL_RANK: processes Lightning started on one node
+        if os.environ.get(var, "").isdigit():
+            return int(os.environ[var])
+    return 0
