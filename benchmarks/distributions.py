@@ -83,21 +83,21 @@ def _image_counts(rng: np.random.Generator, n: int) -> np.ndarray:
     return rng.choice([0, 1, 2, 3, 4], size=n, p=[0.10, 0.75, 0.08, 0.04, 0.03])
 
 
+def _with_images(name: str, text: np.ndarray, rng: np.random.Generator, seed: int, image_tokens: int, notes: dict):
+    """A synthetic LengthSet: ``text`` tokens plus seeded image counts of ``image_tokens`` each."""
+    imgs = _image_counts(rng, len(text))
+    total = text + imgs * image_tokens
+    notes = {"image_tokens": image_tokens, **notes}
+    return LengthSet(name, total.tolist(), imgs.tolist(), source=f"synthetic seed={seed}", notes=notes)
+
+
 def lognormal(
     n: int, seed: int = 0, median_text: float = 160.0, sigma: float = 1.0, image_tokens: int = 64
 ) -> LengthSet:
     """Text tokens ~ lognormal (a heavy right tail), plus ``image_tokens`` per image."""
     rng = np.random.default_rng(seed)
     text = np.maximum(8, rng.lognormal(np.log(median_text), sigma, size=n)).astype(np.int64)
-    imgs = _image_counts(rng, n)
-    total = text + imgs * image_tokens
-    return LengthSet(
-        f"lognormal(median={int(median_text)},sigma={sigma})",
-        total.tolist(),
-        imgs.tolist(),
-        source=f"synthetic seed={seed}",
-        notes={"image_tokens": image_tokens},
-    )
+    return _with_images(f"lognormal(median={int(median_text)},sigma={sigma})", text, rng, seed, image_tokens, {})
 
 
 def mixture(
@@ -111,12 +111,5 @@ def mixture(
     text = np.maximum(8, rng.lognormal(np.log(100.0), 0.5, size=n)).astype(np.int64)
     is_long = rng.random(n) < long_frac
     text[is_long] = rng.integers(long_range[0], long_range[1], size=int(is_long.sum()))
-    imgs = _image_counts(rng, n)
-    total = text + imgs * image_tokens
-    return LengthSet(
-        f"mixture({100 * long_frac:g}% long)",
-        total.tolist(),
-        imgs.tolist(),
-        source=f"synthetic seed={seed}",
-        notes={"image_tokens": image_tokens, "long_frac": long_frac, "long_range": list(long_range)},
-    )
+    notes = {"long_frac": long_frac, "long_range": list(long_range)}
+    return _with_images(f"mixture({100 * long_frac:g}% long)", text, rng, seed, image_tokens, notes)

@@ -107,13 +107,7 @@ def stage_breakdown(cfg: Config, tokenizer, n_samples: int, reps: int) -> dict[s
     """Per-sample microseconds of read / decode / tokenize / pack over the first ``n_samples`` samples."""
     from nanovlm.data.processing import SampleProcessor
 
-    proc = SampleProcessor(
-        tokenizer,
-        cfg.model.vision.image_size,
-        image_token_count(cfg.model),
-        cfg.data.image_resize,
-        cfg.data.max_image_pixels,
-    )
+    proc = SampleProcessor.from_config(tokenizer, cfg.model, cfg.data)
     refs = _first_refs(cfg, n_samples)
     pad = int(tokenizer.pad_token_id or 0)
 

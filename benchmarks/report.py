@@ -240,20 +240,16 @@ def modes_table(modes: dict[str, dict[str, Any]]) -> str:
         if "real_tokens_per_s" not in r:
             rows.append([mode, f"{100 * r['fill']:.1f}%", r["steps_per_pass"], r["error"], "-", "-", "-", "-"])
             continue
-        rows.append(
-            [
-                mode,
-                f"{100 * r['fill']:.1f}%",
-                r["steps_per_pass"],
-                Stats(**r["real_tokens_per_s"]).fmt(0),
-                f"{r['step_ms_median']:.1f}",
-                f"{r['step_ms_p99']:.1f}",
-                f"{r['peak_memory_mb']:.0f}",
-                f"{100 * r['mfu']:.1f}%" if r.get("mfu") else "-",
-            ]
-        )
+        rows.append([mode, f"{100 * r['fill']:.1f}%", r["steps_per_pass"], *_timing_cells(r)])
     headers = ["layout", "fill", "steps", "real tokens/s", "step ms median", "step ms p99", "peak memory MB", "MFU"]
     return markdown_table(headers, rows)
+
+
+def _timing_cells(r: dict[str, Any]) -> list[str]:
+    """real tokens/s, step ms median and p99, peak memory MB, MFU of one timed layout or backend."""
+    mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") else "-"
+    times = [f"{r['step_ms_median']:.1f}", f"{r['step_ms_p99']:.1f}", f"{r['peak_memory_mb']:.0f}"]
+    return [Stats(**r["real_tokens_per_s"]).fmt(0), *times, mfu]
 
 
 def _ratio_text(check: dict[str, Any]) -> str:
@@ -292,17 +288,7 @@ def backends_table(backends: list[dict[str, Any]]) -> str:
             why = b.get("unavailable") or b.get("error") or "failed"
             rows.append([b["backend"], why[:90], "-", "-", "-", "-", "-"])
         else:
-            rows.append(
-                [
-                    b["backend"],
-                    Stats(**b["real_tokens_per_s"]).fmt(0),
-                    f"{b['step_ms_median']:.1f}",
-                    f"{b['step_ms_p99']:.1f}",
-                    f"{b['peak_memory_mb']:.0f}",
-                    f"{100 * b['mfu']:.1f}%" if b.get("mfu") else "-",
-                    b["launches_per_step"] or "-",
-                ]
-            )
+            rows.append([b["backend"], *_timing_cells(b), b["launches_per_step"] or "-"])
     head = ["backend", "real tokens/s", "step ms median", "p99", "peak MB", "MFU", "launches/step"]
     return markdown_table(head, rows)
 

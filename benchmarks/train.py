@@ -43,18 +43,11 @@ from nanovlm.config import Config, image_token_count, load_config
 
 def load_samples(cfg: Config, tokenizer, n: int) -> list:
     """The first ``n`` processable samples of the dataset (over-length ones dropped, as training does)."""
-    from nanovlm.config import image_token_count
     from nanovlm.data.format import SampleError
     from nanovlm.data.processing import SampleProcessor
     from nanovlm.data.reader import ShardReader
 
-    proc = SampleProcessor(
-        tokenizer,
-        cfg.model.vision.image_size,
-        image_token_count(cfg.model),
-        cfg.data.image_resize,
-        cfg.data.max_image_pixels,
-    )
+    proc = SampleProcessor.from_config(tokenizer, cfg.model, cfg.data)
     reader = ShardReader()
     out = []
     for path, sh in shards(list(cfg.data.train)):

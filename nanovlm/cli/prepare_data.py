@@ -348,13 +348,8 @@ def _resolve_tokenizer(args, cfg) -> str:
     return tok
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    if not args.output or not args.output.strip():
-        raise SystemExit("error: --output must not be empty")
-    if args.samples_per_shard <= 0 or args.workers <= 0:
-        raise SystemExit("error: --samples-per-shard and --workers must be positive")
+def _check_inputs(args: argparse.Namespace) -> tuple[list[Path], list[Path]]:
+    """The input paths and, among them, the directories of shards; SystemExit naming what is wrong."""
     inputs = [Path(p) for p in args.input]
     for p in inputs:
         if not p.exists():
@@ -374,7 +369,43 @@ def main(argv: Sequence[str] | None = None) -> int:
     resolved = [p.resolve() for p in inputs]
     if len(set(resolved)) < len(resolved):  # every sample would be written twice, under two keys
         raise SystemExit("error: the same input file is given more than once")
+    return inputs, dirs
 
+
+def _summarize(report, index, out_dir: Path, rejected, elapsed: float, fingerprint: str, itc: int, args, cfg) -> int:
+    """Print what was written and skipped; the exit code (1 when nothing could be written)."""
+    total = report.written + sum(report.skips.values())
+    print(f"wrote {report.written} of {total} samples in {len(index.shards)} shard(s) to {out_dir} ({elapsed:.1f} s)")
+    if report.skips:
+        print(
+            f"skipped {sum(report.skips.values())}: " + ", ".join(f"{r}={n}" for r, n in sorted(report.skips.items()))
+        )
+        print(f"skipped samples and reasons: {rejected}")
+    if report.written == 0:
+        # no index: training and the other tools then say the directory is not a dataset, instead of planning an
+        # empty one
+        (out_dir / "index.json").unlink(missing_ok=True)
+        reasons = ", ".join(f"{r}={n}" for r, n in sorted(report.skips.items())) or "no input samples"
+        print(f"error: no sample could be written ({reasons}); see {rejected}", file=sys.stderr)
+        return 1
+    print(f"index: {out_dir / 'index.json'} (tokenizer {fingerprint}, {itc} tokens per image)")
+    limit = cfg.data.max_image_pixels  # 0 = no limit, here and in training
+    if limit > 0 and (args.max_image_pixels <= 0 or args.max_image_pixels > limit):
+        print(
+            f"note: images up to {args.max_image_pixels or 'any number of'} pixels were accepted; training skips "
+            f"those over data.max_image_pixels={limit} unless you set it to {args.max_image_pixels} too"
+        )
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if not args.output or not args.output.strip():
+        raise SystemExit("error: --output must not be empty")
+    if args.samples_per_shard <= 0 or args.workers <= 0:
+        raise SystemExit("error: --samples-per-shard and --workers must be positive")
+    inputs, dirs = _check_inputs(args)
     from nanovlm.config import ConfigError, image_token_count, load_config
     from nanovlm.data.tokenizer import load_tokenizer, tokenizer_fingerprint
 
@@ -409,25 +440,4 @@ def main(argv: Sequence[str] | None = None) -> int:
     rejected = report.write_rejected(out_dir)
     elapsed = time.perf_counter() - t0
 
-    total = report.written + sum(report.skips.values())
-    print(f"wrote {report.written} of {total} samples in {len(index.shards)} shard(s) to {out_dir} ({elapsed:.1f} s)")
-    if report.skips:
-        print(
-            f"skipped {sum(report.skips.values())}: " + ", ".join(f"{r}={n}" for r, n in sorted(report.skips.items()))
-        )
-        print(f"skipped samples and reasons: {rejected}")
-    if report.written == 0:
-        # no index: training and the other tools then say the directory is not a dataset, instead of planning an
-        # empty one
-        (out_dir / "index.json").unlink(missing_ok=True)
-        reasons = ", ".join(f"{r}={n}" for r, n in sorted(report.skips.items())) or "no input samples"
-        print(f"error: no sample could be written ({reasons}); see {rejected}", file=sys.stderr)
-        return 1
-    print(f"index: {out_dir / 'index.json'} (tokenizer {fingerprint}, {itc} tokens per image)")
-    limit = cfg.data.max_image_pixels  # 0 = no limit, here and in training
-    if limit > 0 and (args.max_image_pixels <= 0 or args.max_image_pixels > limit):
-        print(
-            f"note: images up to {args.max_image_pixels or 'any number of'} pixels were accepted; training skips "
-            f"those over data.max_image_pixels={limit} unless you set it to {args.max_image_pixels} too"
-        )
-    return 0
+    return _summarize(report, index, out_dir, rejected, elapsed, fingerprint, itc, args, cfg)

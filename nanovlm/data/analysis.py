@@ -240,52 +240,39 @@ def _hist(ax, x: np.ndarray, title: str, xlabel: str, budget: int | None = None)
         ax.set_yscale("log")
 
 
-def write_report(
-    stats: LengthStats,
-    out_dir: str | Path,
-    budget: int,
-    batch_size: int = 8,
-    max_images: int = 1 << 30,
-    lookahead: int = 64,
-    seed: int = 0,
-    max_budget: int = 16384,
-) -> dict:
-    """Write the PNG plots and summary.md into ``out_dir``; return the numbers as a dict."""
-    import matplotlib
-
-    matplotlib.use("Agg")
+def _save(fig, path: Path) -> None:
     import matplotlib.pyplot as plt
 
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    w = waste(stats, budget, batch_size, max_images, lookahead, seed)
-    rec = recommend(stats, max_images=max_images, cap=max_budget)
-    plots = {}
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def _plot_lengths(stats: LengthStats, out: Path, budget: int) -> dict[str, str]:
+    import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4))
     _hist(ax, stats.text_tokens, "Text tokens per sample (<image> counted once)", "tokens")
-    fig.tight_layout()
-    fig.savefig(out / "text_tokens.png", dpi=100)
-    plt.close(fig)
-    plots["text_tokens.png"] = "histogram of text tokens per sample"
-
+    _save(fig, out / "text_tokens.png")
     fig, ax = plt.subplots(figsize=(7, 4))
     _hist(ax, stats.total_tokens, f"Total tokens per sample ({stats.image_token_count} per image)", "tokens", budget)
-    fig.tight_layout()
-    fig.savefig(out / "total_tokens.png", dpi=100)
-    plt.close(fig)
-    plots["total_tokens.png"] = "histogram of total tokens (images expanded) with the budget"
-
+    _save(fig, out / "total_tokens.png")
     fig, ax = plt.subplots(figsize=(7, 4))
     vals, counts = np.unique(stats.n_images, return_counts=True) if stats.num_samples else ([], [])
     ax.bar([str(v) for v in vals], counts, color="#55A868")
     ax.set_title("Images per sample")
     ax.set_xlabel("images")
     ax.set_ylabel("samples")
-    fig.tight_layout()
-    fig.savefig(out / "images_per_sample.png", dpi=100)
-    plt.close(fig)
-    plots["images_per_sample.png"] = "bar chart of images per sample"
+    _save(fig, out / "images_per_sample.png")
+    return {
+        "text_tokens.png": "histogram of text tokens per sample",
+        "total_tokens.png": "histogram of total tokens (images expanded) with the budget",
+        "images_per_sample.png": "bar chart of images per sample",
+    }
+
+
+def _plot_waste(w: WasteReport, out: Path, budget: int, batch_size: int) -> dict[str, str]:
+    import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4))
     names = ["pad to longest", "constrained\n(truncate)", "packing\n(online)", "packing\n(FFD reference)"]
@@ -295,34 +282,37 @@ def write_report(
         ax.text(b.get_x() + b.get_width() / 2, b.get_height(), f"{v:.1%}", ha="center", va="bottom", fontsize=9)
     ax.set_ylabel("% of token slots wasted")
     ax.set_title(f"Waste at max_tokens={budget} (padded batches of {batch_size})")
-    fig.tight_layout()
-    fig.savefig(out / "waste.png", dpi=100)
-    plt.close(fig)
-    plots["waste.png"] = "wasted slot fraction per batching strategy at the budget"
+    _save(fig, out / "waste.png")
+    return {"waste.png": "wasted slot fraction per batching strategy at the budget"}
 
-    budgets = sorted({b for b in (256, 512, 1024, 2048, 4096, 8192, 16384, 32768, budget, rec.max_tokens)})
+
+def _plot_sweep(stats: LengthStats, out: Path, budget: int, recommended: int, **waste_args) -> dict[str, str]:
+    import matplotlib.pyplot as plt
+
+    budgets = sorted({b for b in (256, 512, 1024, 2048, 4096, 8192, 16384, 32768, budget, recommended)})
     if stats.num_samples:
         med = float(np.median(stats.total_tokens))
         budgets = [b for b in budgets if b >= med] or [budget]
-    sweep = [waste(stats, b, batch_size, max_images, lookahead, seed, reference=False) for b in budgets]
+    sweep = [waste(stats, b, **waste_args, reference=False) for b in budgets]
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot(budgets, [100 * s.packing for s in sweep], "o-", label="packing waste (online)")
     ax.plot(budgets, [100 * s.constrained for s in sweep], "s-", label="constrained padding waste")
-    ax.plot(
-        budgets, [100 * s.over_budget / max(1, stats.num_samples) for s in sweep], "^-", label="% samples over budget"
-    )
-    ax.axvline(rec.max_tokens, color="#55A868", linestyle="--", label=f"recommended {rec.max_tokens}")
+    over = [100 * s.over_budget / max(1, stats.num_samples) for s in sweep]
+    ax.plot(budgets, over, "^-", label="% samples over budget")
+    ax.axvline(recommended, color="#55A868", linestyle="--", label=f"recommended {recommended}")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("max_tokens (cutoff)")
     ax.set_ylabel("%")
     ax.set_title("Waste and over-length samples vs budget")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out / "waste_vs_budget.png", dpi=100)
-    plt.close(fig)
-    plots["waste_vs_budget.png"] = "waste and samples over budget for a range of budgets"
+    _save(fig, out / "waste_vs_budget.png")
+    return {"waste_vs_budget.png": "waste and samples over budget for a range of budgets"}
 
-    t, tot, im = percentiles(stats.text_tokens), percentiles(stats.total_tokens), percentiles(stats.n_images)
+
+def render_summary(
+    stats: LengthStats, w: WasteReport, rec: Recommendation, budget: int, batch_size: int, plots: dict[str, str]
+) -> str:
+    """summary.md: length percentiles, waste per strategy at the budget, the recommendation, the plots."""
     lines = [
         "# Dataset length report",
         "",
@@ -333,7 +323,12 @@ def write_report(
         "| | mean | p50 | p90 | p99 | p99.9 | max |",
         "|---|---|---|---|---|---|---|",
     ]
-    for name, p in (("text tokens", t), ("total tokens", tot), ("images", im)):
+    for name, x in (
+        ("text tokens", stats.text_tokens),
+        ("total tokens", stats.total_tokens),
+        ("images", stats.n_images),
+    ):
+        p = percentiles(x)
         lines.append(
             f"| {name} | {p['mean']:.1f} | {p['p50']:.0f} | {p['p90']:.0f} | {p['p99']:.0f} | {p['p99.9']:.0f} | {p['max']:.0f} |"
         )
@@ -358,23 +353,38 @@ def write_report(
             f"{w.image_bound_packs:.0%} of packs reached the image budget (max_images={w.max_images}) before the "
             "token budget: packing waste here comes from the image budget, not from lengths.\n"
         )
-    lines += [
-        "## Recommendation",
-        "",
-        f"`data.max_tokens={rec.max_tokens} data.overlength={rec.overlength}`",
-        "",
-        *[f"- {r}" for r in rec.reasons],
-        "",
-        "## Plots",
-        "",
-        *[f"- `{name}`: {what}" for name, what in plots.items()],
-        "",
-    ]
-    (out / "summary.md").write_text("\n".join(lines))
+    lines += ["## Recommendation", "", f"`data.max_tokens={rec.max_tokens} data.overlength={rec.overlength}`", ""]
+    lines += [*[f"- {r}" for r in rec.reasons], "", "## Plots", ""]
+    lines += [*[f"- `{name}`: {what}" for name, what in plots.items()], ""]
+    return "\n".join(lines)
+
+
+def write_report(
+    stats: LengthStats,
+    out_dir: str | Path,
+    budget: int,
+    batch_size: int = 8,
+    max_images: int = 1 << 30,
+    lookahead: int = 64,
+    seed: int = 0,
+    max_budget: int = 16384,
+) -> dict:
+    """Write the PNG plots and summary.md into ``out_dir``; return the numbers as a dict."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    w = waste(stats, budget, batch_size, max_images, lookahead, seed)
+    rec = recommend(stats, max_images=max_images, cap=max_budget)
+    plots = _plot_lengths(stats, out, budget) | _plot_waste(w, out, budget, batch_size)
+    waste_args = {"batch_size": batch_size, "max_images": max_images, "lookahead": lookahead, "seed": seed}
+    plots |= _plot_sweep(stats, out, budget, rec.max_tokens, **waste_args)
+    (out / "summary.md").write_text(render_summary(stats, w, rec, budget, batch_size, plots))
     return {
         "num_samples": stats.num_samples,
-        "text_tokens": t,
-        "total_tokens": tot,
+        "text_tokens": percentiles(stats.text_tokens),
+        "total_tokens": percentiles(stats.total_tokens),
         "waste": w.__dict__,
         "recommended_max_tokens": rec.max_tokens,
         "recommended_overlength": rec.overlength,

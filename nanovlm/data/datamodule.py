@@ -118,13 +118,7 @@ class PackedMultimodalDataModule(L.LightningDataModule):
             self.val_table = load_table(list(self.cfg.val), *args) if self.cfg.val else None
             if self.val_table is not None and self.cfg.val_samples > 0:  # one global subset: any topology sees it
                 self.val_table = self.val_table.head(self.cfg.val_samples)
-            self.processor = SampleProcessor(
-                self.tokenizer,
-                self.image_size,
-                self.image_token_count,
-                self.cfg.image_resize,
-                self.cfg.max_image_pixels,
-            )
+            self.processor = SampleProcessor.from_config(self.tokenizer, self.model_cfg, self.cfg)
             pad = self.tokenizer.pad_token_id
             self.pad_id = int(pad if pad is not None else 0)
         if self._pending_state is not None:

@@ -223,6 +223,13 @@ def _image_members(members: dict[str, bytes]) -> list[bytes]:
     return [d for _, d in sorted(plain)[:1]]
 
 
+def _utf8(members: dict[str, bytes], name: str, key: str) -> str:
+    try:
+        return members[name].decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise SampleError("bad_utf8", key, f"{name} member: {e}") from None
+
+
 def members_to_record(members: dict[str, bytes], key: str) -> Record:
     """The members of one WebDataset key (suffix -> bytes) -> Record.
 
@@ -233,11 +240,7 @@ def members_to_record(members: dict[str, bytes], key: str) -> Record:
     extra: dict = {}
     obj = None
     if "json" in members:
-        try:
-            text = members["json"].decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise SampleError("bad_utf8", key, f"json member: {e}") from None
-        obj = _json_object(text, key, "json member: ")
+        obj = _json_object(_utf8(members, "json", key), key, "json member: ")
         if not isinstance(obj, dict):
             raise SampleError("bad_json", key, "json member is not an object")
     if obj is not None and ("messages" in obj or "conversations" in obj):
@@ -247,10 +250,7 @@ def members_to_record(members: dict[str, bytes], key: str) -> Record:
         return Record(key, messages, images, extra)
     caption = None
     if "txt" in members:
-        try:
-            caption = members["txt"].decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise SampleError("bad_utf8", key, f"txt member: {e}") from None
+        caption = _utf8(members, "txt", key)
     elif obj is not None and isinstance(obj.get("caption"), str):
         caption = obj["caption"]
     if caption is None:

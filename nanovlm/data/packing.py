@@ -129,72 +129,74 @@ def pack_online(
         raise ValueError("max_tokens and lookahead must be positive, max_images and max_carry non-negative")
     eff, skipped, truncated = _effective(lengths, n_images, max_tokens, max_images, overlength, prompts)
     invalid = {i for idx in skipped.values() for i in idx}
-    n_items = len(eff)
-    imgs = [int(m) for m in n_images]
-
-    buf: list[tuple[int, int]] = []  # sorted (length, -index): bisect finds the largest fit, oldest first
-    entered: dict[int, int] = {}  # index -> number of packs emitted when it entered the buffer
-    arrival: deque[int] = deque()  # buffered indices in arrival order (lazily cleaned)
+    buf = _Lookahead(eff, [int(m) for m in n_images], invalid, lookahead)
     packs: list[list[int]] = []
-    nxt = 0
-    max_wait = 0
-
-    def refill() -> None:
-        nonlocal nxt
-        while len(entered) < lookahead and nxt < n_items:
-            i = nxt
-            nxt += 1
-            if i in invalid:
-                continue
-            bisect.insort(buf, (eff[i], -i))
-            entered[i] = len(packs)
-            arrival.append(i)
-
-    def take(i: int, pack: list[int]) -> None:
-        nonlocal max_wait
-        del buf[bisect.bisect_left(buf, (eff[i], -i))]
-        max_wait = max(max_wait, len(packs) - entered.pop(i))
-        pack.append(i)
-
     while True:
-        refill()
-        if not entered:
+        buf.refill(len(packs))
+        if not buf.entered:
             break
         pack: list[int] = []
         # (1) the oldest overdue item goes first (it always fits an empty pack)
-        while arrival and arrival[0] not in entered:
-            arrival.popleft()
-        tokens = images = 0
-        if arrival and len(packs) - entered[arrival[0]] >= max_carry:
-            i = arrival.popleft()
-            take(i, pack)
-            tokens, images = eff[i], imgs[i]
+        oldest = buf.oldest()
+        if oldest is not None and len(packs) - buf.entered[oldest] >= max_carry:
+            buf.take(oldest, pack, len(packs))
         # (2) the subset of the buffer with the most tokens that fit, overdue items first, then larger ones
-        room = max_tokens - tokens
-        n_packs = len(packs)
-        candidates = [(n, -neg) for n, neg in reversed(buf) if n <= room]  # largest first, oldest first
-        candidates.sort(key=lambda c: n_packs - entered[c[1]] < max_carry)  # stable: overdue ones to the front
+        room = max_tokens - buf.pack_tokens
+        candidates = [(n, -neg) for n, neg in reversed(buf.items) if n <= room]  # largest first, oldest first
+        candidates.sort(key=lambda c: len(packs) - buf.entered[c[1]] < max_carry)  # stable: overdue ones first
         chosen = _subset_fill(candidates, room) if candidates else []
-        if images + sum(imgs[i] for i in chosen) <= max_images:
+        if buf.pack_images + sum(buf.imgs[i] for i in chosen) <= max_images:
             for i in chosen:
-                take(i, pack)
-                tokens += eff[i]
-                images += imgs[i]
+                buf.take(i, pack, len(packs))
         # (3) best fit from the refilled buffer: the largest item that fits what is left
-        while True:
-            refill()
-            room, img_room = max_tokens - tokens, max_images - images
-            j = bisect.bisect_right(buf, (room, 1)) - 1
-            while j >= 0 and imgs[-buf[j][1]] > img_room:
-                j -= 1
-            if j < 0:
-                break
-            i = -buf[j][1]
-            take(i, pack)
-            tokens += eff[i]
-            images += imgs[i]
+        while (i := buf.largest_fit(max_tokens - buf.pack_tokens, max_images - buf.pack_images, len(packs))) >= 0:
+            buf.take(i, pack, len(packs))
         packs.append(pack)
-    return PackResult(packs, eff, skipped, truncated, max_wait)
+        buf.pack_tokens = buf.pack_images = 0
+    return PackResult(packs, eff, skipped, truncated, buf.max_wait)
+
+
+class _Lookahead:
+    """The online packer's buffer: the next ``size`` valid items, sorted by length for best-fit lookups."""
+
+    def __init__(self, eff: list[int], imgs: list[int], invalid: set[int], size: int) -> None:
+        self.eff, self.imgs, self.invalid, self.size = eff, imgs, invalid, size
+        self.items: list[tuple[int, int]] = []  # sorted (length, -index): bisect finds the largest fit, oldest first
+        self.entered: dict[int, int] = {}  # index -> number of packs emitted when it entered the buffer
+        self.arrival: deque[int] = deque()  # buffered indices in arrival order (lazily cleaned)
+        self.next = 0
+        self.max_wait = 0
+        self.pack_tokens = self.pack_images = 0  # of the pack being built
+
+    def refill(self, n_packs: int) -> None:
+        while len(self.entered) < self.size and self.next < len(self.eff):
+            i = self.next
+            self.next += 1
+            if i in self.invalid:
+                continue
+            bisect.insort(self.items, (self.eff[i], -i))
+            self.entered[i] = n_packs
+            self.arrival.append(i)
+
+    def oldest(self) -> int | None:
+        while self.arrival and self.arrival[0] not in self.entered:
+            self.arrival.popleft()
+        return self.arrival[0] if self.arrival else None
+
+    def take(self, i: int, pack: list[int], n_packs: int) -> None:
+        del self.items[bisect.bisect_left(self.items, (self.eff[i], -i))]
+        self.max_wait = max(self.max_wait, n_packs - self.entered.pop(i))
+        pack.append(i)
+        self.pack_tokens += self.eff[i]
+        self.pack_images += self.imgs[i]
+
+    def largest_fit(self, room: int, img_room: int, n_packs: int) -> int:
+        """The largest buffered item (oldest among equals) within both budgets, after a refill; -1 if none."""
+        self.refill(n_packs)
+        j = bisect.bisect_right(self.items, (room, 1)) - 1
+        while j >= 0 and self.imgs[-self.items[j][1]] > img_room:
+            j -= 1
+        return -self.items[j][1] if j >= 0 else -1
 
 
 def ffd_reference(

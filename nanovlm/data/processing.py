@@ -26,6 +26,7 @@ import numpy as np
 import torch
 from PIL import Image, ImageOps, UnidentifiedImageError
 
+from nanovlm.config import DataConfig, ModelConfig, image_token_count
 from nanovlm.constants import IGNORE_INDEX, IMAGE_TOKEN
 from nanovlm.data.format import Record, SampleError
 from nanovlm.data.tokenizer import IM_END, IM_START, plain_text_tokenizer
@@ -157,6 +158,13 @@ class ProcessedSample:
 
 class SampleProcessor:
     """Decode images and tokenize a conversation with ChatML, loss labels on assistant turns only."""
+
+    @classmethod
+    def from_config(cls, tokenizer, model_cfg: ModelConfig, data_cfg: DataConfig) -> SampleProcessor:
+        """The processor a run with these configs trains on."""
+        vision = model_cfg.vision
+        args = (vision.image_size, image_token_count(model_cfg), data_cfg.image_resize, data_cfg.max_image_pixels)
+        return cls(tokenizer, *args)
 
     def __init__(
         self,

@@ -218,20 +218,8 @@ def load_vision_weights(vision: nn.Module, name_or_path: str) -> None:
 # language
 
 
-def load_language_weights(language: nn.Module, name_or_path: str) -> None:
-    """Load a transformers Llama / SmolLM2 checkpoint (LlamaForCausalLM) into ``language``.
-
-    The checkpoint's vocabulary may be smaller than ours (tokens added for the VLM, rounding to 64): its rows
-    are copied and the extra rows keep their random init.
-    """
-    from transformers import AutoConfig
-
-    directory = resolve_checkpoint(name_or_path)
-    hf = AutoConfig.from_pretrained(directory)
-    if not hasattr(hf, "num_key_value_heads") and hasattr(hf, "text_config"):  # a composite config
-        hf = hf.text_config
-    cfg = language.cfg
-    _check_model_type("language", name_or_path, hf, LANGUAGE_MODEL_TYPES)
+def _check_language_config(hf, cfg, name_or_path: str) -> None:
+    """Every language config value the checkpoint fixes must equal ours (one error listing the differences)."""
     tied_ckpt = bool(getattr(hf, "tie_word_embeddings", False))
     # transformers >= 5: rope_parameters (theta and scaling); 4.x: rope_theta + rope_scaling ("rope_type" or "type")
     rope = dict(getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {})
@@ -264,6 +252,24 @@ def load_language_weights(language: nn.Module, name_or_path: str) -> None:
             else "."
         ),
     )
+
+
+def load_language_weights(language: nn.Module, name_or_path: str) -> None:
+    """Load a transformers Llama / SmolLM2 checkpoint (LlamaForCausalLM) into ``language``.
+
+    The checkpoint's vocabulary may be smaller than ours (tokens added for the VLM, rounding to 64): its rows
+    are copied and the extra rows keep their random init.
+    """
+    from transformers import AutoConfig
+
+    directory = resolve_checkpoint(name_or_path)
+    hf = AutoConfig.from_pretrained(directory)
+    if not hasattr(hf, "num_key_value_heads") and hasattr(hf, "text_config"):  # a composite config
+        hf = hf.text_config
+    cfg = language.cfg
+    _check_model_type("language", name_or_path, hf, LANGUAGE_MODEL_TYPES)
+    tied_ckpt = bool(getattr(hf, "tie_word_embeddings", False))
+    _check_language_config(hf, cfg, name_or_path)
     ckpt_positions = getattr(hf, "max_position_embeddings", None)
     if ckpt_positions and cfg.max_position_embeddings > ckpt_positions:
         log.warning(

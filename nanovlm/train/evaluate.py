@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from nanovlm.config import Config, image_token_count
+from nanovlm.config import Config
 from nanovlm.constants import IMAGE_TOKEN
 
 log = logging.getLogger(__name__)
@@ -130,13 +130,7 @@ def evaluate_answers(
     from nanovlm.data.processing import SampleProcessor
     from nanovlm.data.tokenizer import IM_END
 
-    processor = SampleProcessor(
-        tokenizer,
-        cfg.model.vision.image_size,
-        image_token_count(cfg.model),
-        cfg.data.image_resize,
-        cfg.data.max_image_pixels,
-    )
+    processor = SampleProcessor.from_config(tokenizer, cfg.model, cfg.data)
     eos = tokenizer.convert_tokens_to_ids(IM_END)
     device = next(model.parameters()).device
     was_training = model.training
