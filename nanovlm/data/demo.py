@@ -59,7 +59,7 @@ TRAIN_SAMPLES, VAL_SAMPLES = 3000, 396  # the default build; 396 = 11 tasks x 36
 
 # task -> (weight in the training mix, the short answers it allows; None: no short answer). The weights favour
 # what is slow to learn from pixels (shape, comparing the colours of two images) over what is quick (colour,
-# background, position); at the default run's 900 steps, shape is still the weakest task.
+# background, position); shape is still the last visual skill the default run learns.
 TASKS: dict[str, tuple[float, tuple[str, ...] | None]] = {
     "colour": (0.07, tuple(COLOURS)),
     "shape": (0.30, SHAPES),
