@@ -10,19 +10,14 @@ import sys
 import time
 
 import pytest
-
-from nanovlm.data.worker_signals import shield_from_preemption
+from helpers import TESTS
+from helpers.processes import shielded_sleeper
 
 pytestmark = pytest.mark.skipif(not hasattr(signal, "sigtimedwait"), reason="needs sigtimedwait (Linux)")
 
 
-def _shielded_sleeper(grace_s: float) -> None:
-    shield_from_preemption(grace_s)
-    time.sleep(120)
-
-
 def _start(grace_s: float = 60.0) -> mp.Process:
-    p = mp.get_context("fork").Process(target=_shielded_sleeper, args=(grace_s,), daemon=True)
+    p = mp.get_context("fork").Process(target=shielded_sleeper, args=(grace_s,), daemon=True)
     p.start()
     time.sleep(0.5)  # let the shield install its mask and thread
     return p
@@ -74,12 +69,12 @@ def test_a_shielded_worker_exits_after_the_grace_period():
 def test_a_shielded_worker_exits_when_its_parent_dies(tmp_path):
     """The trainer is SIGKILLed after the preemption signal: its orphaned worker must not linger."""
     pid_file = tmp_path / "worker.pid"
-    here = os.path.dirname(__file__)
+    here = str(TESTS)
     script = (
         "import multiprocessing as mp, sys, time\n"
         f"sys.path.insert(0, {here!r})\n"
-        "from test_worker_signals import _shielded_sleeper\n"
-        "p = mp.get_context('fork').Process(target=_shielded_sleeper, args=(60.0,))\n"
+        "from helpers.processes import shielded_sleeper\n"
+        "p = mp.get_context('fork').Process(target=shielded_sleeper, args=(60.0,))\n"
         f"p.start(); open({str(pid_file)!r}, 'w').write(str(p.pid)); time.sleep(120)\n"
     )
     parent = subprocess.Popen([sys.executable, "-c", script])

@@ -7,8 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
-
-REPO = Path(__file__).resolve().parent.parent
+from helpers import REPO
 
 
 def render(out: Path, *extra: str, slug: str = "my-vlm-project") -> Path:

@@ -12,9 +12,11 @@ Guarantees:
 * a producer failure (not a bad sample: a stale index) stops the run with an error naming the sample key and
   its shard and carrying the producer's traceback; the checkpoints written before stay valid;
 * a DataLoader worker killed by the OOM killer gives a clear error within seconds, not a hang;
-* disk full while saving: an error naming the checkpoint path, the previous checkpoint kept and loadable;
+* disk full while saving: the run fails naming the checkpoint path, the previous checkpoint kept and loadable
+  (the checkpoint IO alone: unit/test_checkpoint.py);
 * one rank with far less usable data (most of its samples are broken): no hang, the same step count on both
-  ranks (DDP, 2 gloo processes).
+  ranks (DDP, 2 gloo processes);
+* resuming (``checkpoint.resume=auto``) over a planted checkpoint that holds code refuses it without running it.
 
 The kill lands mid-write deterministically: the checkpoint's temp file is pre-created as a FIFO, so the saving
 process blocks inside ``torch.save`` once the pipe is full, exactly where a slow disk would leave it.
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import re
 import signal
 import subprocess
@@ -33,12 +36,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import MICRO_MODEL
-from faults import not_an_image, rewrite_shard
+from helpers import REPO
+from helpers.faults import malicious_checkpoint, not_an_image, rewrite_shard
+from helpers.training import MICRO_MODEL
 
 from nanovlm.train.checkpoint import checkpoint_name, list_checkpoints
 
-REPO = Path(__file__).resolve().parent.parent
 TIMEOUT = 240  # per training subprocess; a hang fails the test
 
 
@@ -440,26 +443,6 @@ def test_corrupt_latest_checkpoint_is_an_error_naming_it_not_a_fresh_start(demo,
 # disk full while saving
 
 
-def test_disk_full_checkpoint_write_names_the_path_and_keeps_the_previous_one(tmp_path):
-    """/dev/full answers every write with ENOSPC, the errno of a full disk."""
-    from nanovlm.train.checkpoint import AtomicCheckpointIO, CheckpointWriteError
-
-    io = AtomicCheckpointIO()
-    state = {"state_dict": {"w": torch.randn(64, 64)}, "global_step": 2}
-    io.save_checkpoint(state, tmp_path / checkpoint_name(2))
-    before = (tmp_path / checkpoint_name(2)).read_bytes()
-    target = tmp_path / checkpoint_name(4)
-    (tmp_path / (target.name + ".tmp")).symlink_to("/dev/full")
-    with pytest.raises(CheckpointWriteError) as exc:
-        io.save_checkpoint(state | {"global_step": 4}, target)
-    assert str(target) in str(exc.value)
-    assert "No space left on device" in str(exc.value)
-    assert not target.exists()
-    assert [s for s, _ in list_checkpoints(tmp_path)] == [2]
-    assert (tmp_path / checkpoint_name(2)).read_bytes() == before
-    assert io.load_checkpoint(tmp_path / checkpoint_name(2))["global_step"] == 2
-
-
 def test_disk_full_during_training_fails_the_run_and_keeps_the_previous_checkpoint(demo, tmp_path):
     run_dir = tmp_path / "run"
     ckpts = run_dir / "checkpoints"
@@ -526,3 +509,24 @@ def test_rank_with_far_less_usable_data_steps_with_the_others(demo, tmp_path):
     assert not trained1 & broken  # the broken samples were skipped, not trained
     assert len(trained1) < len({k for r in r0 for k in r["keys"]})  # rank 1 really had less data
     assert load_ckpt(run_dir / "checkpoints" / checkpoint_name(max_steps))["global_step"] == max_steps
+
+
+# ----------------------------------------------------------------------------------------------------------
+# a planted checkpoint that holds code
+
+
+def test_resume_from_a_malicious_checkpoint_refuses_without_running_it(tmp_path, tiny_tokenizer):
+    """The real resume path (``checkpoint.resume=auto`` through the train CLI and Lightning) loads with
+    weights_only=True: a planted checkpoint holding code is refused and the code never runs."""
+    from nanovlm.cli.train import main
+    from nanovlm.data.demo import make_demo_data
+
+    data = tmp_path / "demo"
+    make_demo_data(data, train_samples=24, val_samples=4, samples_per_shard=24, image_token_count=4)
+    run_dir = tmp_path / "run"
+    (run_dir / "checkpoints").mkdir(parents=True)
+    marker = tmp_path / "pwned"
+    malicious_checkpoint(run_dir / "checkpoints" / "step-00000009.ckpt", marker)
+    with pytest.raises(pickle.UnpicklingError, match="Weights only load failed"):
+        main([*overrides(data, run_dir), "trainer.max_steps=12"])
+    assert not marker.exists()

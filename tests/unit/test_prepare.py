@@ -1,16 +1,49 @@
-"""write_dataset + index: exact index contents, byte ranges, determinism, atomic writes, index validation."""
+"""write_dataset and prepare_data: exact index contents, byte ranges, determinism, atomic writes, every input
+format and skip reason.
+
+Faults: every bad input line or shard is listed in rejected.jsonl with its reason (index-only runs over someone
+else's shards included: a damaged shard keeps what is before the damage and is reported).
+
+Security: nothing in the input is executed (pickle members of foreign shards are never loaded; the payloads are
+checked live in unit/test_format.py), nothing is written outside the output directory whatever the tar member
+names say, and image paths in JSONL stay inside ``--image-root`` (``..``, symlinks and absolute paths are
+``unsafe_path`` unless ``--allow-absolute-paths``).
+"""
 
 import hashlib
 import json
+import os
+import sys
 import tarfile
 
 import pytest
 import webdataset as wds
-from conftest import synthetic_image, synthetic_records
+from helpers.faults import (
+    HOSTILE_SUFFIXES,
+    JSONL_REASON,
+    bad_json_variants,
+    bomb_png,
+    cmyk_jpeg,
+    conversation,
+    corrupt_header,
+    empty_tar,
+    exif_rotated_png,
+    grayscale_png,
+    json_bytes,
+    not_an_image,
+    pickle_payload,
+    png,
+    png_named_jpg,
+    read_index,
+    tar_bytes,
+    truncate_mid_member,
+    truncated_jpeg,
+)
+from helpers.synthetic import synthetic_image, synthetic_records
 
 from nanovlm.data.format import Record, SampleError, members_to_record
-from nanovlm.data.index import DatasetIndexError, load_index, scan_tar
-from nanovlm.data.prepare import write_dataset
+from nanovlm.data.index import load_index, scan_tar
+from nanovlm.data.prepare import resolve_image_path, write_dataset
 from nanovlm.data.processing import SampleProcessor
 from nanovlm.data.reader import ShardReader
 from nanovlm.data.tokenizer import tokenizer_fingerprint
@@ -140,32 +173,6 @@ def test_image_format_is_sniffed_and_exotic_formats_become_png(tmp_path, tiny_to
     assert members["1.jpg"] == jpeg
     assert Image.open(io.BytesIO(members["0.png"])).getpixel((0, 0)) == (1, 2, 3)
     assert idx.shards[0].image_sizes == [[[5, 4], [9, 7]]]
-
-
-def test_load_index_validation(tmp_path, make_dataset):
-    d = tmp_path / "ds"
-    with pytest.raises(FileNotFoundError, match="prepare_data"):
-        load_index(d)
-    make_dataset(d, 6, samples_per_shard=3)
-    raw = json.loads((d / "index.json").read_text())
-    shard = d / "shard-000001.tar"
-    shard.write_bytes(shard.read_bytes() + b"\0" * 512)
-    with pytest.raises(DatasetIndexError, match="shard-000001.tar has"):
-        load_index(d)
-    shard.unlink()
-    with pytest.raises(DatasetIndexError, match="shard-000001.tar is missing"):
-        load_index(d)
-    assert load_index(d, check_files=False).num_samples == 6
-    raw["shards"][0]["keys"] = raw["shards"][0]["keys"][:2]
-    (d / "index.json").write_text(json.dumps(raw))
-    with pytest.raises(DatasetIndexError, match="2 keys for 3 samples"):
-        load_index(d, check_files=False)
-    (d / "index.json").write_text("{oops")
-    with pytest.raises(DatasetIndexError, match="not valid JSON"):
-        load_index(d)
-    (d / "index.json").write_text('{"version": 99}')
-    with pytest.raises(DatasetIndexError, match="version"):
-        load_index(d)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -441,20 +448,6 @@ def test_input_files_with_colliding_names_keep_all_their_samples(tmp_path, tiny_
     assert load_index(tmp_path / "o").num_samples == 6
 
 
-def test_scan_tar_reports_a_bad_header_instead_of_stopping_silently(tmp_path, make_dataset):
-    idx = make_dataset(tmp_path / "ds", 4, samples_per_shard=4)
-    path = idx.shard_path(0)
-    shard = idx.shards[0]
-    data = bytearray(path.read_bytes())
-    data[shard.offsets[2] + 148 : shard.offsets[2] + 156] = b"XXXXXXXX"  # checksum of sample 2's first header
-    path.write_bytes(bytes(data))
-    seen = []
-    with pytest.raises(tarfile.ReadError, match=f"unreadable tar header at byte {shard.offsets[2]}"):
-        for s in scan_tar(path):
-            seen.append(s.key)
-    assert seen == shard.keys[:2]
-
-
 @pytest.mark.parametrize(
     "orientation, upright", [(1, [12, 8]), (3, [12, 8]), (5, [8, 12]), (6, [8, 12]), (7, [8, 12]), (8, [8, 12])]
 )
@@ -599,3 +592,259 @@ def test_prepare_data_unreadable_gzip_inputs_are_errors(tmp_path, tiny_tokenizer
     assert _prepare(tiny_tokenizer, "--input", str(tmp_path / "cut.jsonl.gz"), "--output", str(tmp_path / "o")) == 1
     assert "error: cannot read" in capsys.readouterr().err
     assert not (tmp_path / "o" / "index.json").exists()
+
+
+# ----------------------------------------------------------------------------------------------------------
+# faults: every bad input line or shard is listed in rejected.jsonl with its reason
+
+
+TOKENS_PER_IMAGE = 4  # the image token count of the fault tests (as in unit/test_processing.py)
+
+
+def test_exif_rotation_is_recorded_upright_in_the_index(tmp_path, tiny_tokenizer):
+    from nanovlm.data.prepare import write_dataset
+
+    rotated, _ = exif_rotated_png(6, size=(32, 16))
+    record = Record("rot", conversation(1)["messages"], [rotated])
+    index = write_dataset([record], tmp_path / "ds", tiny_tokenizer, TOKENS_PER_IMAGE)
+    assert index.shards[0].image_sizes == [[[16, 32]]]
+
+
+def test_prepare_data_lists_every_bad_line_with_its_reason(tmp_path, tiny_tokenizer):
+    from nanovlm.cli.prepare_data import main
+
+    root = tmp_path / "img"
+    root.mkdir()
+    files = {
+        "ok.png": png(),
+        "gray.png": grayscale_png(),
+        "cmyk.jpg": cmyk_jpeg(),
+        "named.jpg": png_named_jpg(),
+        "text.jpg": not_an_image(),
+        "cut.jpg": truncated_jpeg(),
+        "bomb.png": bomb_png(),
+        "rot.png": exif_rotated_png(6)[0],
+    }
+    for name, data in files.items():
+        (root / name).write_bytes(data)
+    lines: list[tuple[bytes, str]] = []  # (line, expected reason or "ok")
+
+    def add(obj_or_bytes, reason):
+        lines.append((obj_or_bytes if isinstance(obj_or_bytes, bytes) else json.dumps(obj_or_bytes).encode(), reason))
+
+    for name in ("ok.png", "gray.png", "cmyk.jpg", "named.jpg", "rot.png"):
+        add({"images": [name]} | conversation(1), "ok")
+    add({"images": ["text.jpg"]} | conversation(1), "unreadable_image")
+    add({"images": ["cut.jpg"]} | conversation(1), "unreadable_image")
+    add({"images": ["bomb.png"]} | conversation(1), "image_too_large")
+    add({"images": ["nope.png"]} | conversation(1), "missing_image")
+    for name, (data, reason) in sorted(bad_json_variants().items()):
+        try:
+            obj = json.loads(data)
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            add(data, reason)
+            continue
+        if isinstance(obj, dict):
+            obj["images"] = ["ok.png"]
+        add(obj, JSONL_REASON.get(name, reason))
+    jsonl = tmp_path / "in.jsonl"
+    jsonl.write_bytes(b"".join(line + b"\n" for line, _ in lines))
+    out = tmp_path / "out"
+    argv = ["--input", str(jsonl), "--output", str(out), "--image-root", str(root)]
+    assert main([*argv, "--tokenizer", tiny_tokenizer.name_or_path]) == 0
+    rejected = [json.loads(x) for x in (out / "rejected.jsonl").read_text().splitlines()]
+    want = [(f"in.jsonl:{i + 1}", reason) for i, (_, reason) in enumerate(lines) if reason != "ok"]
+    assert [(r["source"], r["reason"]) for r in rejected] == want
+    index = load_index(out)
+    assert index.num_samples == 5
+    assert index.shards[0].image_sizes[4] == [[16, 32]]  # EXIF rotation recorded upright
+
+
+def _foreign_shards(directory, n_shards: int = 2, per_shard: int = 6):
+    """Un-indexed WebDataset shards (as img2dataset writes them): x<shard>_<i>.png + .json."""
+    directory.mkdir(parents=True)
+    for s in range(n_shards):
+        members = []
+        for i in range(per_shard):
+            members += [(f"x{s}_{i}.png", png(seed=i)), (f"x{s}_{i}.json", json_bytes(conversation(1)))]
+        (directory / f"part-{s}.tar").write_bytes(tar_bytes(members))
+    return directory
+
+
+def _index_only(directory, tokenizer) -> tuple[int, dict[str, list[str]], list[dict]]:
+    from nanovlm.cli.prepare_data import main
+
+    rc = main(["--input", str(directory), "--output", str(directory), "--tokenizer", tokenizer.name_or_path])
+    keys = (
+        {s["name"]: s["keys"] for s in read_index(directory)["shards"]} if (directory / "index.json").exists() else {}
+    )
+    rejected = directory / "rejected.jsonl"
+    return rc, keys, [json.loads(x) for x in rejected.read_text().splitlines()] if rejected.exists() else []
+
+
+def test_index_only_truncated_shard_keeps_what_is_before_the_cut_and_reports_the_rest(tmp_path, tiny_tokenizer):
+    shards = _foreign_shards(tmp_path / "foreign")
+    truncate_mid_member(shards / "part-1.tar", 7)  # the png of x1_3
+    rc, keys, rejected = _index_only(shards, tiny_tokenizer)
+    assert rc == 0
+    assert keys == {"part-0.tar": [f"x0_{i}" for i in range(6)], "part-1.tar": ["x1_0", "x1_1", "x1_2"]}
+    assert [(r["source"], r["reason"]) for r in rejected] == [("part-1.tar", "corrupt_shard")]
+
+
+def test_index_only_corrupt_header_is_reported_not_silently_dropped(tmp_path, tiny_tokenizer):
+    shards = _foreign_shards(tmp_path / "foreign")
+    corrupt_header(shards / "part-1.tar", 6)  # header of x1_3.png: x1_3..x1_5 are unreachable
+    rc, keys, rejected = _index_only(shards, tiny_tokenizer)
+    assert rc == 0
+    assert keys == {"part-0.tar": [f"x0_{i}" for i in range(6)], "part-1.tar": ["x1_0", "x1_1", "x1_2"]}
+    assert [(r["source"], r["reason"]) for r in rejected] == [("part-1.tar", "corrupt_shard")]
+    # one skip stands for an unknown number of lost samples: the detail says so
+    assert "The 3 sample(s) before the damage are indexed; everything after it" in rejected[0]["detail"]
+
+
+def test_index_only_zero_byte_shard_is_reported(tmp_path, tiny_tokenizer):
+    shards = _foreign_shards(tmp_path / "foreign")
+    (shards / "part-1.tar").write_bytes(b"")
+    rc, keys, rejected = _index_only(shards, tiny_tokenizer)
+    assert rc == 0 and list(keys) == ["part-0.tar"]
+    assert [(r["source"], r["reason"]) for r in rejected] == [("part-1.tar", "corrupt_shard")]
+
+
+def test_index_only_empty_tar_contributes_nothing_and_all_empty_is_an_error(tmp_path, tiny_tokenizer, capsys):
+    shards = _foreign_shards(tmp_path / "foreign")
+    (shards / "part-1.tar").write_bytes(empty_tar())
+    rc, keys, _ = _index_only(shards, tiny_tokenizer)
+    assert rc == 0 and keys == {"part-0.tar": [f"x0_{i}" for i in range(6)]}
+    (shards / "part-0.tar").write_bytes(empty_tar())
+    rc, _, _ = _index_only(shards, tiny_tokenizer)
+    assert rc == 1
+    assert "no sample could be written" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------------------------------------
+# security: shard members are never unpickled, tar member names write nothing
+
+
+def test_prepare_data_index_only_never_unpickles_shard_members(tmp_path, tiny_tokenizer):
+    """Indexing someone else's shards (``--input DIR``) reads them but never loads pickles."""
+    from nanovlm.cli.prepare_data import main
+
+    marker = tmp_path / "pwned"
+    shards = tmp_path / "foreign"
+    shards.mkdir()
+    members = []
+    for i in range(4):
+        members += [(f"x{i}.jpg", png(seed=i)), (f"x{i}.json", json_bytes(conversation(1)))]
+        members += [(f"x{i}.{suffix}", pickle_payload(marker)) for suffix in HOSTILE_SUFFIXES]
+    (shards / "part-0.tar").write_bytes(tar_bytes(members))
+    assert main(["--input", str(shards), "--output", str(shards), "--tokenizer", tiny_tokenizer.name_or_path]) == 0
+    index = json.loads((shards / "index.json").read_text())
+    assert index["shards"][0]["keys"] == ["x0", "x1", "x2", "x3"]
+    assert not marker.exists()
+
+
+def test_tar_member_names_cannot_write_outside(tmp_path, tiny_tokenizer):
+    """Members named ``../../x`` or ``/abs/x`` (tar slip): nothing extracts shards to disk, so nothing is
+    written anywhere, whatever the names say; such members are just not part of any sample."""
+    from nanovlm.cli.prepare_data import main
+
+    shards = tmp_path / "a" / "b" / "foreign"
+    shards.mkdir(parents=True)
+    escaped = tmp_path / "a" / "escaped.txt"
+    absolute = tmp_path / "absolute.txt"
+    members = [("x0.jpg", png()), ("x0.json", json_bytes(conversation(1)))]
+    members += [("../../escaped.txt", b"owned"), (str(absolute), b"owned")]
+    (shards / "part-0.tar").write_bytes(tar_bytes(members))
+    main(["--input", str(shards), "--output", str(shards), "--tokenizer", tiny_tokenizer.name_or_path])
+    index = json.loads((shards / "index.json").read_text())
+    assert index["shards"][0]["keys"][0] == "x0"
+    assert not escaped.exists() and not absolute.exists()
+    assert sorted(p.name for p in shards.iterdir()) == ["index.json", "part-0.tar", "rejected.jsonl"]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# security: image paths in JSONL stay inside --image-root
+
+
+@pytest.fixture
+def image_root(tmp_path):
+    root = tmp_path / "images"
+    (root / "sub").mkdir(parents=True)
+    (root / "ok.png").write_bytes(png())
+    (root / "sub" / "ok2.png").write_bytes(png(seed=1))
+    outside = tmp_path / "secret.png"
+    outside.write_bytes(png(seed=2))
+    (root / "link.png").symlink_to(outside)
+    (root / "linkdir").symlink_to(tmp_path)
+    return root
+
+
+@pytest.mark.parametrize(
+    "ref",
+    ["../secret.png", "../../etc/passwd", "sub/../../secret.png", "link.png", "linkdir/secret.png", "/etc/passwd"],
+)
+def test_image_path_escaping_the_root_is_unsafe_path(image_root, ref):
+    with pytest.raises(SampleError) as exc:
+        resolve_image_path(ref, image_root, key="k")
+    assert exc.value.reason == "unsafe_path"
+
+
+def test_image_paths_inside_the_root_resolve(image_root):
+    assert resolve_image_path("ok.png", image_root) == (image_root / "ok.png").resolve()
+    assert resolve_image_path("sub/../sub/ok2.png", image_root) == (image_root / "sub" / "ok2.png").resolve()
+    assert resolve_image_path(str(image_root.parent / "secret.png"), image_root, allow_absolute=True).is_file()
+
+
+def test_prepare_data_rejects_escaping_paths_and_lists_them(tmp_path, image_root, tiny_tokenizer, capsys):
+    """End to end: unsafe lines are counted, listed in rejected.jsonl with reason unsafe_path, never read
+    (no content of the outside file reaches the shards), and the safe lines are written."""
+    from nanovlm.cli.prepare_data import main
+
+    lines = {
+        "ok.png": "ok",
+        "sub/ok2.png": "ok",
+        "../secret.png": "unsafe_path",
+        "../../../../../../etc/passwd": "unsafe_path",
+        "link.png": "unsafe_path",
+        "linkdir/secret.png": "unsafe_path",
+        str(image_root.parent / "secret.png"): "unsafe_path",  # absolute, not allowed by default
+        "/etc/passwd": "unsafe_path",
+        "missing.png": "missing_image",
+    }
+    jsonl = tmp_path / "data.jsonl"
+    jsonl.write_text("".join(json.dumps({"images": [ref]} | conversation(1)) + "\n" for ref in lines))
+    out = tmp_path / "out"
+    args = ["--input", str(jsonl), "--output", str(out), "--image-root", str(image_root)]
+    assert main([*args, "--tokenizer", tiny_tokenizer.name_or_path]) == 0
+    rejected = [json.loads(x) for x in (out / "rejected.jsonl").read_text().splitlines()]
+    expected = [(f"data.jsonl:{i + 1}", reason) for i, reason in enumerate(lines.values()) if reason != "ok"]
+    assert [(r["source"], r["reason"]) for r in rejected] == expected
+    index = json.loads((out / "index.json").read_text())
+    assert sum(s["num_samples"] for s in index["shards"]) == 2
+    secret = (image_root.parent / "secret.png").read_bytes()
+    for shard in out.glob("shard-*.tar"):
+        assert secret not in shard.read_bytes()
+    assert "unsafe_path=6" in capsys.readouterr().out
+
+
+def test_absolute_paths_are_accepted_only_when_allowed(tmp_path, image_root, tiny_tokenizer):
+    from nanovlm.cli.prepare_data import main
+
+    jsonl = tmp_path / "abs.jsonl"
+    jsonl.write_text(json.dumps({"images": [str(image_root.parent / "secret.png")]} | conversation(1)) + "\n")
+    out = tmp_path / "out"
+    args = ["--input", str(jsonl), "--output", str(out), "--image-root", str(image_root)]
+    assert main([*args, "--tokenizer", tiny_tokenizer.name_or_path]) == 1  # nothing written: an error
+    assert json.loads((out / "rejected.jsonl").read_text())["reason"] == "unsafe_path"
+    assert main([*args, "--tokenizer", tiny_tokenizer.name_or_path, "--allow-absolute-paths"]) == 0
+    assert json.loads((out / "index.json").read_text())["shards"][0]["num_samples"] == 1
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="symlink semantics")
+def test_prepare_data_never_follows_symlinked_jsonl_images_out_of_root_even_via_dotdot(tmp_path, image_root):
+    """A symlink inside the root pointing to a directory outside, then ``..`` out of it: still outside."""
+    ref = "linkdir/images/../secret.png"
+    with pytest.raises(SampleError) as exc:
+        resolve_image_path(ref, image_root)
+    assert exc.value.reason == "unsafe_path"
+    assert os.path.exists(image_root / "linkdir" / "secret.png")

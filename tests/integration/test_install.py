@@ -5,11 +5,9 @@ from __future__ import annotations
 import subprocess
 import sys
 import zipfile
-from pathlib import Path
 
 import pytest
-
-REPO = Path(__file__).resolve().parent.parent
+from helpers import REPO
 
 
 @pytest.mark.slow

@@ -1,10 +1,12 @@
-"""Fault generators for the reliability suite: broken tars, bad images, bad JSON, hostile pickles.
+"""Fault generators for the fault tests: broken tars, bad images, bad JSON, hostile pickles.
 
 Each generator builds one realistic fault in memory or on disk, small enough for a CPU test. They are plain
-functions (no pytest), so a fault can be reproduced by hand from a Python shell:
+functions, so a fault can be reproduced by hand from a Python shell (in ``tests/``):
 
-    >>> from faults import bomb_png, corrupt_header
+    >>> from helpers.faults import bomb_png, corrupt_header
     >>> open("bomb.png", "wb").write(bomb_png())
+
+``reason_of`` and ``JSONL_REASON`` check the SampleError a fault must raise.
 
 Dataset-level faults (``rewrite_shard``, ``truncate_mid_member``, ``corrupt_header``) act on a dataset directory
 written by ``nanovlm.data.prepare.write_dataset`` and follow the index format of docs/internals.md: they change a
@@ -23,7 +25,10 @@ import zlib
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
 from PIL import Image
+
+from nanovlm.data.format import SampleError
 
 BLOCK = 512  # tar block size
 
@@ -161,6 +166,25 @@ def bad_json_variants() -> dict[str, tuple[bytes, str]]:
 
 
 # ----------------------------------------------------------------------------------------------------------
+# the reason a fault must be rejected with
+
+
+def reason_of(fn, *args, **kwargs) -> str:
+    """The SampleError reason ``fn`` raises (fails the test if it raises nothing or something else)."""
+    with pytest.raises(SampleError) as exc:
+        fn(*args, **kwargs)
+    return exc.value.reason
+
+
+# A JSONL line may be native, LLaVA or caption: a line that is none of them is an unknown format.
+JSONL_REASON = {
+    "not_an_object": "unknown_format",
+    "missing_messages": "unknown_format",
+    "unknown_keys_only": "unknown_format",
+}
+
+
+# ----------------------------------------------------------------------------------------------------------
 # hostile payloads
 
 
@@ -177,6 +201,13 @@ class _CreatesFile:
 def pickle_payload(marker: Path) -> bytes:
     """Pickle bytes whose unpickling creates the file ``marker`` (and returns an open file object)."""
     return pickle.dumps(_CreatesFile(marker))
+
+
+HOSTILE_SUFFIXES = ("pyd", "pickle", "pkl", "pth", "pt", "npy")
+
+
+def hostile_members(marker: Path) -> dict[str, bytes]:
+    return {suffix: pickle_payload(marker) for suffix in HOSTILE_SUFFIXES} | {"0.pyd": pickle_payload(marker)}
 
 
 def malicious_checkpoint(path: Path, marker: Path, state_dict: dict | None = None) -> Path:

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import run_forked_ranks
-from test_datamodule import IMAGE_TOKENS, all_keys, make_cfg, make_dm, take
+from helpers.data import IMAGE_TOKENS, all_keys, make_cfg, make_dm, take
+from helpers.processes import run_forked_ranks
 
 from nanovlm.data.datamodule import DataStateError, PackedMultimodalDataModule
 from nanovlm.data.reader import ShardReader

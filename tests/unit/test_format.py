@@ -1,8 +1,29 @@
-"""Sample schema: the three JSONL formats, WebDataset members, and every rejection reason."""
+"""Sample schema: the three JSONL formats, WebDataset members, and every rejection reason.
+
+Faults in one sample's members (``members_to_record``, ``parse_jsonl_line``) raise ``SampleError`` with the exact
+reason, so the skip log can name the sample and why.
+
+Security: shard members are never unpickled. Each hostile input carries a payload whose effect is visible:
+unpickling it creates a marker file. A control test first shows that the payload really fires when unpickled (so
+"the marker does not exist" means "nothing unpickled it", not "the payload is broken"); then the code is run on it.
+The same payloads go through the DataModule (unit/test_datamodule.py), prepare_data (unit/test_prepare.py) and
+checkpoint loading (unit/test_checkpoint.py).
+"""
 
 import json
+import pickle
 
 import pytest
+from helpers.faults import (
+    JSONL_REASON,
+    bad_json_variants,
+    conversation,
+    hostile_members,
+    json_bytes,
+    pickle_payload,
+    png,
+    reason_of,
+)
 
 from nanovlm.data.format import (
     CAPTION_PROMPT,
@@ -219,3 +240,76 @@ def test_a_blank_assistant_turn_is_no_answer():
         reason(validate_messages, [{"role": "user", "content": "hi"}, {"role": "assistant", "content": " "}], 0)
         == "no_assistant_turn"
     )
+
+
+# ----------------------------------------------------------------------------------------------------------
+# faults in one sample's JSON / text
+
+
+@pytest.mark.parametrize("name", sorted(bad_json_variants()))
+def test_bad_json_member_is_rejected_with_its_reason(name):
+    data, reason = bad_json_variants()[name]
+    with pytest.raises(SampleError) as exc:
+        members_to_record({"0.png": png(), "json": data}, "k1")
+    assert exc.value.reason == reason
+    assert exc.value.key == "k1"  # the skip log can name the sample
+
+
+@pytest.mark.parametrize("name", sorted(bad_json_variants()))
+def test_bad_jsonl_line_is_rejected_with_its_reason(name):
+    """The same faults as JSONL lines for prepare_data (images given as a one-element path list)."""
+    data, reason = bad_json_variants()[name]
+    reason = JSONL_REASON.get(name, reason)
+    try:
+        obj = json.loads(data.decode("utf-8"))
+        if isinstance(obj, dict):
+            obj["images"] = ["a.png"]
+            data = json.dumps(obj).encode("utf-8")
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        pass  # the fault is in the bytes themselves
+    assert reason_of(parse_jsonl_line, data, "k2") == reason
+
+
+def test_invalid_utf8_caption_txt_is_bad_utf8():
+    assert reason_of(members_to_record, {"jpg": png(), "txt": b"a \xc3\x28 caption"}, "k") == "bad_utf8"
+
+
+def test_members_without_conversation_or_caption_are_missing_messages():
+    assert reason_of(members_to_record, {"0.png": png(), "cls": b"3"}, "k") == "missing_messages"
+
+
+# ----------------------------------------------------------------------------------------------------------
+# security: the payloads are live, and shard members are never unpickled
+
+
+def test_control_pickle_payload_creates_its_marker(tmp_path):
+    marker = tmp_path / "pwned"
+    payload = pickle_payload(marker)
+    assert not marker.exists()  # building the payload runs nothing
+    pickle.loads(payload)
+    assert marker.exists()
+
+
+def test_control_webdataset_default_decoder_would_unpickle(tmp_path):
+    """Why the project must never use webdataset's default decoders on shards: they unpickle .pyd members."""
+    from webdataset import autodecode
+
+    marker = tmp_path / "pwned_by_wds"
+    autodecode.basichandlers("sample.pyd", pickle_payload(marker))
+    assert marker.exists()
+
+
+def test_members_to_record_ignores_pickle_members(tmp_path):
+    marker = tmp_path / "pwned"
+    members = {"0.png": png(), "json": json_bytes(conversation(1))} | hostile_members(marker)
+    record = members_to_record(members, "k")
+    assert len(record.images) == 1 and record.messages[-1]["content"] == "a red square"
+    assert not marker.exists()
+
+
+def test_caption_sample_made_only_of_pickles_is_skipped_not_loaded(tmp_path):
+    marker = tmp_path / "pwned"
+    with pytest.raises(SampleError) as exc:
+        members_to_record(hostile_members(marker), "k")
+    assert exc.value.reason == "missing_messages"
+    assert not marker.exists()

@@ -1,24 +1,41 @@
-"""Processing: image decoding (by content, EXIF, modes, guards), ChatML ids, loss labels, over-length."""
+"""Processing: image decoding (by content, EXIF, modes, guards), ChatML ids, loss labels, over-length.
+
+Faults: one sample -> ``SampleProcessor`` raises ``SampleError`` with the exact reason (over-length, placeholder
+mismatch); one image -> decoded upright and RGB whatever its mode, or refused (unreadable / too large) before
+decoding; an image in a format that would run an external program (PostScript) is refused, never handed to it.
+"""
 
 import io
+import os
+import subprocess
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from helpers.faults import (
+    bomb_png,
+    cmyk_jpeg,
+    conversation,
+    encode,
+    exif_rotated_png,
+    grayscale_png,
+    json_bytes,
+    not_an_image,
+    palette_png,
+    png,
+    png_named_jpg,
+    reason_of,
+    rgba_png,
+    truncated_jpeg,
+)
 from PIL import Image
 
 from nanovlm.constants import IGNORE_INDEX
-from nanovlm.data.format import Record, SampleError
+from nanovlm.data.format import Record, SampleError, members_to_record
 from nanovlm.data.processing import SampleProcessor, decode_image, resize_image
 
 IMG_TOKENS = 4
-
-
-def png(img: Image.Image, fmt: str = "PNG", **kw) -> bytes:
-    buf = io.BytesIO()
-    img.save(buf, format=fmt, **kw)
-    return buf.getvalue()
 
 
 @pytest.fixture()
@@ -33,7 +50,7 @@ def conv(user: str, answer: str):
 def test_chatml_ids_and_labels_exact(proc, tiny_tokenizer):
     tok = tiny_tokenizer
     msgs = [{"role": "system", "content": "be brief"}] + conv("<image>what colour?", "red") + conv("and?", "blue")
-    red = png(Image.new("RGB", (5, 3), (255, 0, 0)))
+    red = encode(Image.new("RGB", (5, 3), (255, 0, 0)))
     s = proc.process(Record("k", msgs, [red]))
     enc = lambda t: tok(t, add_special_tokens=False)["input_ids"]  # noqa: E731
     S, E, IMG = (tok.convert_tokens_to_ids(t) for t in ("<|im_start|>", "<|im_end|>", "<image>"))
@@ -97,7 +114,7 @@ def test_special_token_text_in_content_is_plain_text(proc, tiny_tokenizer):
 
 
 def test_length_formula(proc):
-    rec = Record("k", conv("<image><image> compare", "left"), [png(Image.new("RGB", (4, 4)))] * 2)
+    rec = Record("k", conv("<image><image> compare", "left"), [encode(Image.new("RGB", (4, 4)))] * 2)
     s = proc.process(rec)
     assert len(s.input_ids) == proc.text_tokens(rec.messages) + 2 * (IMG_TOKENS - 1)
     assert s.pixel_values.shape == (2, 3, 8, 8)
@@ -109,7 +126,7 @@ def test_no_image_sample_has_empty_pixels(proc):
 
 
 def test_overlength_drop_and_truncate(proc):
-    img = png(Image.new("RGB", (4, 4), (0, 255, 0)))
+    img = encode(Image.new("RGB", (4, 4), (0, 255, 0)))
     rec = Record("long", conv("<image>q", "word " * 40) + conv("<image>again", "x"), [img, img])
     full = proc.process(rec)
     L = len(full.input_ids)
@@ -125,7 +142,7 @@ def test_overlength_drop_and_truncate(proc):
 
 
 def test_truncate_never_splits_an_image(proc, tiny_tokenizer):
-    img = png(Image.new("RGB", (4, 4)))
+    img = encode(Image.new("RGB", (4, 4)))
     rec = Record("k", conv("hello", "answer one two") + conv("<image>more", "z"), [img])
     full = proc.process(rec).input_ids.tolist()
     IMG = tiny_tokenizer.convert_tokens_to_ids("<image>")
@@ -155,7 +172,7 @@ def test_placeholder_mismatch(proc):
 
 
 def test_decoded_by_content_not_extension():
-    data = png(Image.new("RGB", (3, 2), (0, 0, 255)))
+    data = encode(Image.new("RGB", (3, 2), (0, 0, 255)))
     img = decode_image(data)  # the member may be called 0.jpg: only the bytes matter
     assert img.mode == "RGB" and img.size == (3, 2) and img.getpixel((0, 0)) == (0, 0, 255)
 
@@ -164,7 +181,7 @@ def test_exif_orientation_applied():
     img = Image.new("RGB", (6, 2), (10, 20, 30))
     exif = Image.Exif()
     exif[0x0112] = 6  # rotate 90 on display
-    out = decode_image(png(img, "JPEG", exif=exif.tobytes()))
+    out = decode_image(encode(img, "JPEG", exif=exif.tobytes()))
     assert out.size == (2, 6)
 
 
@@ -182,7 +199,7 @@ def test_exif_orientation_applied():
     ],
 )
 def test_modes_to_rgb(img, expected):
-    out = decode_image(png(img))
+    out = decode_image(encode(img))
     assert out.mode == "RGB" and out.getpixel((1, 1)) == expected
 
 
@@ -208,19 +225,19 @@ def test_padding_setting_in_tokenizer_json_does_not_reach_samples(tiny_tokenizer
 
 
 def test_cmyk_and_palette():
-    cmyk = decode_image(png(Image.new("CMYK", (2, 2), (0, 255, 255, 0)), "JPEG", quality=100))
+    cmyk = decode_image(encode(Image.new("CMYK", (2, 2), (0, 255, 255, 0)), "JPEG", quality=100))
     r, g, b = cmyk.getpixel((0, 0))
     assert r > 230 and g < 25 and b < 25
     pal = Image.new("P", (2, 2), 1)
     pal.putpalette([0, 0, 0, 0, 200, 0] + [0] * 762)
-    assert decode_image(png(pal)).getpixel((0, 0)) == (0, 200, 0)
+    assert decode_image(encode(pal)).getpixel((0, 0)) == (0, 200, 0)
     pal.info["transparency"] = 1
-    assert decode_image(png(pal)).getpixel((0, 0)) == (255, 255, 255)
+    assert decode_image(encode(pal)).getpixel((0, 0)) == (255, 255, 255)
 
 
 def test_truncated_and_garbage_images_are_unreadable():
     rng = np.random.default_rng(0)
-    data = png(Image.fromarray(rng.integers(0, 256, (64, 64, 3), dtype=np.uint8)), "JPEG")
+    data = encode(Image.fromarray(rng.integers(0, 256, (64, 64, 3), dtype=np.uint8)), "JPEG")
     for bad in (data[: len(data) // 2], b"not an image at all", b""):
         with pytest.raises(SampleError) as e:
             decode_image(bad, key="t")
@@ -228,7 +245,7 @@ def test_truncated_and_garbage_images_are_unreadable():
 
 
 def test_decompression_bomb_guard():
-    data = png(Image.new("L", (300, 300)))
+    data = encode(Image.new("L", (300, 300)))
     with pytest.raises(SampleError) as e:
         decode_image(data, max_pixels=300 * 299)
     assert e.value.reason == "image_too_large"
@@ -248,7 +265,7 @@ def test_resize_modes():
 
 def test_letterbox_processor(tiny_tokenizer):
     p = SampleProcessor(tiny_tokenizer, image_size=8, image_token_count=IMG_TOKENS, resize="letterbox")
-    t = p.image(png(Image.new("RGB", (4, 16), (0, 0, 255))))
+    t = p.image(encode(Image.new("RGB", (4, 16), (0, 0, 255))))
     assert t.shape == (3, 8, 8)
     assert t[:, 4, 0].tolist() == [128, 128, 128] and t[:, 4, 4].tolist() == [0, 0, 255]
 
@@ -259,3 +276,144 @@ def test_image_tokens_in_an_assistant_turn_are_not_loss_tokens(tiny_tokenizer):
     img = proc.image_token_id
     assert ids.count(img) == IMG_TOKENS
     assert all(lab == IGNORE_INDEX for t, lab in zip(ids, labels) if t == img)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# faults in one sample
+
+
+IMAGE_SIZE = 32
+
+TOKENS_PER_IMAGE = 4
+
+
+@pytest.fixture(scope="module")
+def processor(tiny_tokenizer):
+    return SampleProcessor(tiny_tokenizer, image_size=IMAGE_SIZE, image_token_count=TOKENS_PER_IMAGE)
+
+
+def test_overlength_sample_is_dropped_or_truncated_as_configured(processor):
+    record = Record("long", conversation(1, answer="red " * 400)["messages"], [png()])
+    full = processor.process(record)
+    assert len(full.input_ids) > 64
+    assert reason_of(processor.process, record, max_tokens=64, overlength="drop") == "overlength"
+    cut = processor.process(record, max_tokens=64, overlength="truncate")
+    assert cut.truncated and len(cut.input_ids) == 64
+    assert torch.equal(cut.input_ids, full.input_ids[:64])
+    assert (cut.labels != -100).any()  # something is left to learn
+
+
+def test_overlength_truncation_that_leaves_no_answer_is_dropped(processor):
+    record = Record("long_q", conversation(1, question="why " * 300)["messages"], [png()])
+    assert reason_of(processor.process, record, max_tokens=64, overlength="truncate") == "overlength"
+
+
+def test_placeholder_mismatch_is_caught_at_processing_too(processor):
+    """A Record built in code (not parsed) with 2 placeholders and 1 image never reaches the model."""
+    record = Record("mm", conversation(2)["messages"], [png()])
+    assert reason_of(processor.process, record) == "image_count_mismatch"
+
+
+# ----------------------------------------------------------------------------------------------------------
+# image faults
+
+
+@pytest.mark.parametrize(
+    "data",
+    [not_an_image(), truncated_jpeg(), b"", b"\x89PNG\r\n\x1a\n" + b"\0" * 40],
+    ids=["text_file", "truncated_jpeg", "empty", "png_signature_only"],
+)
+def test_unreadable_image_is_unreadable_image(processor, data):
+    assert reason_of(processor.image, data, key="k") == "unreadable_image"
+
+
+def test_decompression_bomb_is_refused_before_decoding(processor):
+    """144 Mpx in 18 KB: refused by the pixel-count guard; the header-only variant proves the guard runs before
+    any pixel is decoded (decoding it would fail as unreadable, not as too large)."""
+    assert processor.max_image_pixels == 64_000_000
+    assert reason_of(processor.image, bomb_png(), key="k") == "image_too_large"
+    assert reason_of(processor.image, bomb_png(body=False), key="k") == "image_too_large"
+
+
+def test_bomb_beyond_pils_own_limit_is_image_too_large_even_without_our_guard(tiny_tokenizer):
+    """With the guard disabled (max_image_pixels=0), PIL's DecompressionBombError must still map to a skip."""
+    p = SampleProcessor(tiny_tokenizer, IMAGE_SIZE, TOKENS_PER_IMAGE, max_image_pixels=0)
+    huge = bomb_png(20_000, 20_000, body=False)  # 400 Mpx > 2 x PIL's MAX_IMAGE_PIXELS
+    assert reason_of(p.image, huge, key="k") == "image_too_large"
+
+
+def test_max_image_pixels_is_configurable(tiny_tokenizer):
+    p = SampleProcessor(tiny_tokenizer, IMAGE_SIZE, TOKENS_PER_IMAGE, max_image_pixels=32 * 32 - 1)
+    assert reason_of(p.image, png((32, 32)), key="k") == "image_too_large"
+    assert p.image(png((31, 32))).shape == (3, IMAGE_SIZE, IMAGE_SIZE)
+
+
+def test_png_named_jpg_decodes_by_content(processor):
+    data = png_named_jpg()
+    record = members_to_record({"0.jpg": data, "json": json_bytes(conversation(1))}, "k")
+    out = processor.process(record)
+    expected = Image.open(io.BytesIO(data)).convert("RGB").resize((IMAGE_SIZE, IMAGE_SIZE), Image.Resampling.BICUBIC)
+    assert torch.equal(out.pixel_values[0], _pixels(expected))
+
+
+def _pixels(img: Image.Image) -> torch.Tensor:
+    import numpy as np
+
+    return torch.from_numpy(np.asarray(img.convert("RGB"), dtype=np.uint8).copy()).permute(2, 0, 1)
+
+
+@pytest.mark.parametrize("make", [grayscale_png, palette_png, cmyk_jpeg], ids=["L", "P", "CMYK"])
+def test_non_rgb_modes_become_exact_rgb(processor, make):
+    data = make()
+    out = processor.image(data)
+    assert out.dtype == torch.uint8 and out.shape == (3, IMAGE_SIZE, IMAGE_SIZE)
+    assert torch.equal(out, _pixels(Image.open(io.BytesIO(data))))  # 32x32 in: no resize, exact conversion
+    if make is grayscale_png:
+        assert torch.equal(out[0], out[1]) and torch.equal(out[1], out[2])
+
+
+def test_transparent_image_is_composited_on_white(processor):
+    rgba = Image.new("RGBA", (32, 32), (255, 0, 0, 0))
+    rgba.paste((0, 0, 255, 255), (0, 0, 16, 32))  # left half opaque blue, right half fully transparent
+    out = processor.image(encode(rgba, "PNG"))
+    assert out[:, :, :16].eq(torch.tensor([0, 0, 255], dtype=torch.uint8)[:, None, None]).all()
+    assert out[:, :, 16:].eq(255).all()
+    assert processor.image(rgba_png()).shape == (3, IMAGE_SIZE, IMAGE_SIZE)
+
+
+@pytest.mark.parametrize("orientation", [3, 6, 8])
+def test_exif_rotation_is_applied(processor, orientation):
+    rotated, upright = exif_rotated_png(orientation)
+    assert torch.equal(processor.image(rotated), processor.image(upright))
+    # and the test can fail: ignoring EXIF gives other pixels
+    raw = Image.open(io.BytesIO(rotated)).convert("RGB").resize((IMAGE_SIZE, IMAGE_SIZE), Image.Resampling.BICUBIC)
+    assert not torch.equal(processor.image(rotated), _pixels(raw))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# security: only raster formats are opened
+
+
+def test_postscript_image_is_never_handed_to_ghostscript(tmp_path, monkeypatch):
+    """PIL would open an EPS member named .jpg/.png and run Ghostscript on it when decoding; only raster
+    formats are opened. A stand-in ``gs`` first on PATH would leave a marker if anything ran it."""
+    from PIL import Image
+
+    from nanovlm.data.prepare import inspect_image
+    from nanovlm.data.processing import decode_image
+
+    marker = tmp_path / "gs_ran"
+    fake_gs = tmp_path / "bin" / "gs"
+    fake_gs.parent.mkdir()
+    fake_gs.write_text(f'#!/bin/sh\n[ "$1" = "--version" ] && echo 10.0 && exit 0\ntouch {marker}\nexit 1\n')
+    fake_gs.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake_gs.parent}{os.pathsep}{os.environ['PATH']}")
+    eps = b"%!PS-Adobe-3.0 EPSF-3.0\n%%BoundingBox: 0 0 16 16\nnewpath 0 0 moveto 16 16 lineto stroke\nshowpage\n"
+    with pytest.raises(subprocess.CalledProcessError):  # control: PIL itself does run "gs" on these bytes
+        Image.open(io.BytesIO(eps)).load()
+    assert marker.exists()
+    marker.unlink()
+    for decode in (inspect_image, decode_image):
+        with pytest.raises(SampleError, match="unreadable_image"):
+            decode(eps)
+    assert not marker.exists()

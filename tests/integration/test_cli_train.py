@@ -9,15 +9,8 @@ import sys
 import pytest
 import torch
 import yaml
-from test_resume import (  # noqa: F401 (small_demo is a fixture)
-    REPO,
-    TIMEOUT,
-    final_weights,
-    run_train,
-    small_demo,
-    steps,
-    train_cmd,
-)
+from helpers import REPO
+from helpers.runs import TIMEOUT, final_weights, run_train, steps, train_cmd
 
 from nanovlm.config import load_config, to_yaml
 from nanovlm.train.checkpoint import checkpoint_name
@@ -43,7 +36,7 @@ def test_bad_value_and_missing_config_file_exit_2():
     assert proc.returncode == 2 and "no_such.yaml" in proc.stderr
 
 
-def test_data_that_cannot_be_planned_exits_2_naming_the_fix(small_demo, tmp_path):  # noqa: F811
+def test_data_that_cannot_be_planned_exits_2_naming_the_fix(small_demo, tmp_path):
     cmd = train_cmd(small_demo, tmp_path / "run", "data.train_weights=[0.0]", "trainer.max_steps=1")
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=TIMEOUT)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
@@ -67,16 +60,6 @@ def test_options_may_come_anywhere_among_the_overrides():
     assert args.overrides == ["trainer.max_steps=3", "optim.lr=0.01"]
 
 
-def test_the_datamodule_is_importable_from_the_data_package():
-    import nanovlm.data
-    from nanovlm.data import PackedMultimodalDataModule
-    from nanovlm.data.datamodule import PackedMultimodalDataModule as home
-
-    assert PackedMultimodalDataModule is home
-    with pytest.raises(AttributeError, match="no_such"):
-        nanovlm.data.no_such  # noqa: B018
-
-
 def test_help_points_to_config_docs():
     proc = train_script("--help")
     assert proc.returncode == 0
@@ -85,7 +68,7 @@ def test_help_points_to_config_docs():
 
 
 @pytest.mark.slow
-def test_two_step_fit_writes_run_dir_and_evaluates(small_demo, tmp_path):  # noqa: F811
+def test_two_step_fit_writes_run_dir_and_evaluates(small_demo, tmp_path):
     run_dir = tmp_path / "run"
     extra = ["trainer.max_steps=2", "trainer.eval_at_end=true", "trainer.eval_samples=3", "trainer.log_every_n_steps=1"]
     extra.append("optim.warmup_steps=3")
@@ -114,7 +97,7 @@ def test_two_step_fit_writes_run_dir_and_evaluates(small_demo, tmp_path):  # noq
 
 
 @pytest.mark.slow
-def test_resume_continues_metrics_and_a_fresh_start_never_mixes_runs(small_demo, tmp_path):  # noqa: F811
+def test_resume_continues_metrics_and_a_fresh_start_never_mixes_runs(small_demo, tmp_path):
     run_dir = tmp_path / "run"
     extra = ["trainer.log_every_n_steps=1", "checkpoint.every_n_steps=1", "checkpoint.keep_last=5"]
     run_train(small_demo, run_dir, "trainer.max_steps=2", *extra)
@@ -179,7 +162,7 @@ def _assert_unfit_error(proc: subprocess.CompletedProcess) -> None:
     assert all(len(line) < 1200 for line in proc.stderr.splitlines() if "does not fit" in line)  # not every key
 
 
-def test_resuming_a_checkpoint_that_does_not_fit_the_model_is_a_clear_error(small_demo, tmp_path):  # noqa: F811
+def test_resuming_a_checkpoint_that_does_not_fit_the_model_is_a_clear_error(small_demo, tmp_path):
     """A checkpoint of another layout (separate q/k/v and gate/up) or of another model config stops the run
     before training with one readable message naming a few tensors and the likely cause, not torch's list of
     every key; exit 2, no traceback."""
@@ -195,7 +178,7 @@ def test_resuming_a_checkpoint_that_does_not_fit_the_model_is_a_clear_error(smal
 
 
 @pytest.mark.slow
-def test_init_from_starts_a_new_stage_from_the_weights_only(small_demo, tmp_path):  # noqa: F811
+def test_init_from_starts_a_new_stage_from_the_weights_only(small_demo, tmp_path):
     """checkpoint.init_from: a fresh run (step 0, new optimizer, data from the start) with another run's weights;
     once the new run has checkpoints of its own it resumes those and the option no longer applies."""
     first, second = tmp_path / "stage1", tmp_path / "stage2"
@@ -224,7 +207,7 @@ def test_init_from_starts_a_new_stage_from_the_weights_only(small_demo, tmp_path
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_fsdp_resume_of_a_checkpoint_that_does_not_fit_is_the_same_clear_error(small_demo, tmp_path):  # noqa: F811
+def test_fsdp_resume_of_a_checkpoint_that_does_not_fit_is_the_same_clear_error(small_demo, tmp_path):
     """FSDP2 (ModelParallelStrategy) loads the weights before the LightningModule's hook: checked there too."""
     run_dir = tmp_path / "run"
     _one_step_run_with_unfused_checkpoint(small_demo, run_dir)
@@ -233,7 +216,7 @@ def test_fsdp_resume_of_a_checkpoint_that_does_not_fit_is_the_same_clear_error(s
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_torchrun_without_trainer_devices_uses_the_launchers_processes(small_demo, tmp_path):  # noqa: F811
+def test_torchrun_without_trainer_devices_uses_the_launchers_processes(small_demo, tmp_path):
     """``torchrun --nproc_per_node 2 scripts/train.py`` works although the config says ``devices: 1``."""
     run_dir = tmp_path / "run"
     cmd = train_cmd(small_demo, run_dir, "trainer.max_steps=2", "trainer.strategy=ddp", "trainer.devices=1")

@@ -9,72 +9,19 @@ processes (gloo); and a ``kill -9`` mid-run followed by a rerun that resumes fro
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import MICRO_MODEL
+from helpers import REPO
+from helpers.runs import TIMEOUT, final_weights, run_train, steps, train_cmd
 
 from nanovlm.train.checkpoint import checkpoint_name, list_checkpoints
-
-REPO = Path(__file__).resolve().parent.parent
-TIMEOUT = 300
-
-
-def tiny_overrides(data: Path) -> list[str]:
-    """A ~80K-parameter model (4 tokens per image) on a 160-sample demo dataset, 256-token packs."""
-    return [
-        *MICRO_MODEL,
-        f"data.train=[{data}/train]",
-        f"data.val=[{data}/val]",
-        f"data.tokenizer={data}/tokenizer",
-        "data.make_demo_if_missing=false",
-        "data.max_tokens=256",
-        "data.num_workers=1",
-        "trainer.accelerator=cpu",
-        "trainer.progress_bar=false",
-        "trainer.log_every_n_steps=2",
-        "trainer.eval_at_end=false",
-        "trainer.val_batches=2",
-        "optim.warmup_steps=2",
-    ]
-
-
-@pytest.fixture(scope="session")
-def small_demo(tmp_path_factory) -> Path:
-    from nanovlm.data.demo import make_demo_data
-
-    root = tmp_path_factory.mktemp("demo_small")
-    make_demo_data(root, train_samples=160, val_samples=24, samples_per_shard=40, image_token_count=4)
-    return root
-
-
-def train_cmd(data: Path, run_dir: Path, *extra: str) -> list[str]:
-    return [sys.executable, "scripts/train.py", *tiny_overrides(data), f"trainer.run_dir={run_dir}", *extra]
-
-
-def run_train(data: Path, run_dir: Path, *extra: str) -> str:
-    proc = subprocess.run(train_cmd(data, run_dir, *extra), cwd=REPO, capture_output=True, text=True, timeout=TIMEOUT)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-4000:]
-    return out
-
-
-def steps(run_dir: Path, rank: int = 0) -> list[tuple]:
-    name = "steps.jsonl" if rank == 0 else f"steps.rank{rank}.jsonl"
-    rows = [json.loads(line) for line in (run_dir / name).read_text().splitlines()]
-    return [(r["micro"], r["step"], tuple(r["keys"]), r["loss"]) for r in rows]
-
-
-def final_weights(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
-    return torch.load(run_dir / "checkpoints" / checkpoint_name(step), weights_only=True)["state_dict"]
 
 
 def assert_same_run(full: Path, resumed: Path, n_micro: int, ranks: int, final_step: int) -> None:
@@ -195,8 +142,6 @@ def test_kill_9_mid_run_resumes_from_last_checkpoint(small_demo, single_referenc
     assert_same_run(single_reference, run_dir, n_micro=12, ranks=1, final_step=6)
 
 
-@pytest.mark.slow
-@pytest.mark.distributed
 def _rank_process(launcher_pid: int, rank: int) -> int:
     """The pid of local rank ``rank`` that Lightning's launcher (``launcher_pid``, rank 0) started."""
     for proc in Path("/proc").iterdir():
@@ -210,6 +155,8 @@ def _rank_process(launcher_pid: int, rank: int) -> int:
     raise AssertionError(f"no rank-{rank} process under {launcher_pid}")
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 @pytest.mark.parametrize("target", ["rank0", "rank1", "group"])
 def test_sigterm_under_ddp_saves_on_all_ranks_and_exits_cleanly(small_demo, tmp_path, target):
     """``rank0``: SIGTERM to rank 0 only (as `kill <pid>` does). ``rank1``: to the other rank only (the message
