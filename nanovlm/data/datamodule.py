@@ -200,7 +200,9 @@ class PackedMultimodalDataModule(L.LightningDataModule):
                 "train_dataloader()"
             )
         self.counters.count(meta)
-        self.counters.check_skip_rate(self._planned_samples(), self.table.dataset_names, epoch, self.cfg.max_skip_rate)
+        if self.counters.epoch_skips:  # the denominators need this epoch's plan: build it only when skips happened
+            names, rate = self.table.dataset_names, self.cfg.max_skip_rate
+            self.counters.check_skip_rate(self._planned_samples(), names, epoch, rate)
         self.position.consumed = index + 1
         if meta.get("epoch_end"):  # epoch done: its cut packs open the next one
             self.counters.end_epoch(epoch, self.rank)

@@ -18,19 +18,21 @@ from torch.utils.data import DataLoader
 from nanovlm.data.stream import PackStream
 from nanovlm.data.worker_signals import shield_from_preemption
 
-# Batch generators whose DataLoader iterator may still have worker processes. One left open at interpreter exit
-# would have its workers terminated by multiprocessing's exit handler, and torch's dead-worker check would then
-# print "DataLoader worker ... is killed by signal: Terminated" from inside that handler. Closing the generator
-# first releases torch's iterator, whose finaliser shuts its workers down quietly. (Registered after
-# multiprocessing's handler, so it runs before it.)
-_open_batches: weakref.WeakSet = weakref.WeakSet()
+# torch's multi-process DataLoader iterators whose workers may still run. One left open at interpreter exit (an
+# abandoned loop, a persistent validation loader outside Lightning, an iterator kept alive by an exception's
+# traceback) would have its workers terminated by multiprocessing's exit handler, and torch's dead-worker check
+# would then print "DataLoader worker ... is killed by signal: Terminated" from inside that handler. Shutting them
+# down first, as torch does when an iterator is closed, ends them quietly. torch has no public call for it: this
+# is the one place the project uses a private torch method (Lightning's own teardown calls the same one).
+# Registered after multiprocessing's handler, so it runs before it.
+_open_iterators: weakref.WeakSet = weakref.WeakSet()
 
 
 @atexit.register
-def _close_open_batches() -> None:
-    for gen in list(_open_batches):
+def _shut_down_open_workers() -> None:
+    for it in list(_open_iterators):
         with contextlib.suppress(Exception):
-            gen.close()
+            it._shutdown_workers()
 
 
 def _init_worker(worker_id: int) -> None:
@@ -43,31 +45,25 @@ class TimedDataLoader(DataLoader):
     wait_sink: list[float] | None = None
 
     def __iter__(self) -> Generator[dict, None, None]:  # type: ignore[override]
-        gen = self._batches()
-        _open_batches.add(gen)
-        return gen
-
-    def _batches(self) -> Generator[dict, None, None]:
         it = super().__iter__()
+        if self.num_workers > 0:
+            _open_iterators.add(it)
         sink = self.wait_sink
-        try:
-            while True:
-                t0 = time.perf_counter()
-                try:
-                    batch = next(it)
-                except StopIteration:
-                    return
-                except (ConnectionError, EOFError) as e:  # torch's own dead-worker check can come second
-                    raise RuntimeError(
-                        f"a DataLoader worker died while handing over a batch ({type(e).__name__}: {e}); it was "
-                        "probably killed (out of memory?): lower data.num_workers or data.queue_size, or give the "
-                        "job more memory"
-                    ) from e
-                if sink is not None:
-                    sink[0] += time.perf_counter() - t0
-                yield batch
-        finally:
-            del it  # the last reference: torch's finaliser shuts the workers down
+        while True:
+            t0 = time.perf_counter()
+            try:
+                batch = next(it)
+            except StopIteration:
+                return
+            except (ConnectionError, EOFError) as e:  # torch's own dead-worker check can come second
+                raise RuntimeError(
+                    f"a DataLoader worker died while handing over a batch ({type(e).__name__}: {e}); it was "
+                    "probably killed (out of memory?): lower data.num_workers or data.queue_size, or give the "
+                    "job more memory"
+                ) from e
+            if sink is not None:
+                sink[0] += time.perf_counter() - t0
+            yield batch
 
 
 def make_loader(stream: PackStream, num_workers: int, pin_memory: bool, wait_sink: list[float], persistent: bool):

@@ -74,8 +74,11 @@ class DataState:
         if d.get("version") != STATE_VERSION:
             raise DataStateError(f"data state version {d.get('version')} is not {STATE_VERSION}")
         fields = {f.name for f in dataclasses.fields(cls)}
-        out = cls(**{k: v for k, v in d.items() if k in fields})
-        out.ranks = [RankState(**r) if isinstance(r, dict) else r for r in out.ranks]
+        try:
+            out = cls(**{k: v for k, v in d.items() if k in fields})
+            out.ranks = [RankState(**r) if isinstance(r, dict) else r for r in out.ranks]
+        except TypeError as e:
+            raise DataStateError(f"the data state is malformed ({e})") from None
         return out
 
     @staticmethod
@@ -115,7 +118,11 @@ def fingerprint(cfg: DataConfig, spec: PackSpec, table: SampleTable, image_token
 def check_fingerprint(state: DataState, now: dict[str, Any], dataset_names: list[str]) -> None:
     """Refuse a state saved under another seed, dataset, packing or model config, naming each change."""
     saved = state.config
-    changed = [f"{k}: {saved.get(k)!r} -> {now.get(k)!r}" for k in {**saved, **now} if saved.get(k) != now.get(k)]
+
+    def shown(d: dict, k: str) -> str:
+        return repr(d[k]) if k in d else "(not recorded)"
+
+    changed = [f"{k}: {shown(saved, k)} -> {shown(now, k)}" for k in {**saved, **now} if saved.get(k) != now.get(k)]
     if saved.get("datasets") != now.get("datasets"):  # name the directories, not only the hashes
         changed.append(f"data.train: {state.dataset_names} -> {dataset_names} (content hashes above)")
     if changed:

@@ -132,17 +132,17 @@ def tokenizer_fingerprint(tok: PreTrainedTokenizerBase) -> str:
 
     Stored in a dataset index: token lengths in an index are only valid for the tokenizer that counted them.
     The probe catches tokenizers with the same vocabulary that count differently (another pre-tokenizer,
-    normalizer or merge list).
+    normalizer or merge list). (The value's layout, a hash of the vocabulary hash and the probe ids behind
+    ``2-``, is what every index written so far stores.)
     """
-    return _hash(
+    vocab = _hash(
         {
             "vocab": sorted(tok.get_vocab().items()),
             "special": sorted(
                 (t, tok.convert_tokens_to_ids(t)) for t in set(tok.all_special_tokens) | set(SPECIAL_TOKENS)
             ),
             "chat_template": getattr(tok, "chat_template", None) or "",
-            "probe": plain_text_tokenizer(tok)
-            .encode(_PROBE, add_special_tokens=False)
-            .ids,  # as SampleProcessor counts
         }
     )
+    probe = plain_text_tokenizer(tok).encode(_PROBE, add_special_tokens=False).ids  # as SampleProcessor counts
+    return "2-" + _hash({"legacy": vocab, "probe": probe})

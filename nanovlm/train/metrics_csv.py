@@ -22,14 +22,13 @@ def _scalar(v: Any) -> Any:
 
 
 class MetricsCSV(Logger):
-    """Rows go to disk as they are logged (a rewrite only when a new column appears)."""
+    """Rows go to disk as they are logged (a rewrite only when a new column appears); none is kept in memory."""
 
     def __init__(self, run_dir: str | Path, resume_step: int = 0) -> None:
         super().__init__()
         self.path = Path(run_dir) / "csv" / "metrics.csv"
         self.resume_step = resume_step
-        self._rows: list[dict] | None = None  # loaded on the first write (rank 0 only)
-        self._header: list[str] = []
+        self._header: list[str] | None = None  # known after the first write (rank 0 only)
 
     @property
     def name(self) -> str:
@@ -47,16 +46,11 @@ class MetricsCSV(Logger):
     def log_hyperparams(self, params: dict[str, Any] | Namespace, *args: Any, **kwargs: Any) -> None:
         """The resolved config is written to ``<run_dir>/config.yaml`` instead."""
 
-    def _load(self) -> list[dict]:
-        if self._rows is None:
-            self._rows = []
-            if self.resume_step > 0 and self.path.is_file():
-                with self.path.open(newline="") as f:
-                    kept = [r for r in csv.DictReader(f) if r.get("step") and float(r["step"]) <= self.resume_step]
-                self._rows = [{k: v for k, v in r.items() if v != ""} for r in kept]
-            self._header = sorted({k for r in self._rows for k in r})
-            self._write(self._rows, "w")
-        return self._rows
+    def _read(self) -> list[dict]:
+        if not self.path.is_file():
+            return []
+        with self.path.open(newline="") as f:
+            return [{k: v for k, v in r.items() if v != ""} for r in csv.DictReader(f)]
 
     def _write(self, rows: list[dict], mode: str) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -68,11 +62,15 @@ class MetricsCSV(Logger):
 
     @rank_zero_only
     def log_metrics(self, metrics: dict[str, Any], step: int | None = None) -> None:
-        rows = self._load()
+        if self._header is None:  # first write: keep what the resumed-from steps logged, drop the rest
+            kept = [r for r in self._read() if r.get("step") and float(r["step"]) <= self.resume_step]
+            kept = kept if self.resume_step > 0 else []
+            self._header = sorted({k for r in kept for k in r})
+            self._write(kept, "w")
         row = {k: _scalar(v) for k, v in metrics.items()} | {"step": step}
-        rows.append(row)
         if set(row) <= set(self._header):
             self._write([row], "a")
         else:  # a new column: rewrite the file under the extended header
+            rows = self._read() + [row]
             self._header = sorted(set(self._header) | set(row))
             self._write(rows, "w")
