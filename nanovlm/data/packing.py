@@ -152,7 +152,7 @@ def pack_online(
         while (i := buf.largest_fit(max_tokens - buf.pack_tokens, max_images - buf.pack_images, len(packs))) >= 0:
             buf.take(i, pack, len(packs))
         packs.append(pack)
-        buf.pack_tokens = buf.pack_images = 0
+        buf.close_pack()
     return PackResult(packs, eff, skipped, truncated, buf.max_wait)
 
 
@@ -189,6 +189,9 @@ class _Lookahead:
         pack.append(i)
         self.pack_tokens += self.eff[i]
         self.pack_images += self.imgs[i]
+
+    def close_pack(self) -> None:
+        self.pack_tokens = self.pack_images = 0
 
     def largest_fit(self, room: int, img_room: int, n_packs: int) -> int:
         """The largest buffered item (oldest among equals) within both budgets, after a refill; -1 if none."""

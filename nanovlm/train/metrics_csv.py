@@ -63,8 +63,8 @@ class MetricsCSV(Logger):
     @rank_zero_only
     def log_metrics(self, metrics: dict[str, Any], step: int | None = None) -> None:
         if self._header is None:  # first write: keep what the resumed-from steps logged, drop the rest
-            kept = [r for r in self._read() if r.get("step") and float(r["step"]) <= self.resume_step]
-            kept = kept if self.resume_step > 0 else []
+            old = self._read() if self.resume_step > 0 else []
+            kept = [r for r in old if r.get("step") and float(r["step"]) <= self.resume_step]
             self._header = sorted({k for r in kept for k in r})
             self._write(kept, "w")
         row = {k: _scalar(v) for k, v in metrics.items()} | {"step": step}

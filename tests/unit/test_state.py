@@ -131,6 +131,22 @@ def test_changed_seed_or_data_is_refused(data, tiny_tokenizer):
         make_dm(make_cfg([data / "a"], max_tokens=300), tiny_tokenizer).load_state_dict(state)
 
 
+def test_a_malformed_state_or_an_unrecorded_setting_is_a_data_state_error(data, tiny_tokenizer):
+    """A state missing a field is a DataStateError (not a TypeError); a fingerprint key the saved state lacks is
+    named as not recorded."""
+    cfg = make_cfg([data / "a"], overlength="truncate")
+    dm = make_dm(cfg, tiny_tokenizer)
+    take(dm, 2)
+    state = dm.state_dict()
+    broken = {k: v for k, v in state.items() if k != "carry_in"}
+    with pytest.raises(DataStateError, match="malformed"):
+        make_dm(cfg, tiny_tokenizer).load_state_dict(broken)
+    older = dict(state, config={k: v for k, v in state["config"].items() if k != "prompt_only_skips"})
+    with pytest.raises(DataStateError, match=r"prompt_only_skips: \(not recorded\) -> '"):
+        make_dm(cfg, tiny_tokenizer).load_state_dict(older)
+    make_dm(cfg, tiny_tokenizer).load_state_dict(state)  # the state itself restores
+
+
 def test_resume_seeks_instead_of_replaying(data, tiny_tokenizer, monkeypatch):
     """Samples read before the first batch after a resume do not grow with the position in the epoch."""
     cfg = make_cfg([data / "a", data / "b"])
