@@ -11,7 +11,6 @@ pack's token budget counts) and images per sample (what the image budget counts)
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -54,27 +53,16 @@ class LengthSet:
 
 
 def from_index(directory: str | Path, image_token_count: int | None = None, name: str | None = None) -> LengthSet:
-    """Lengths of every sample of a dataset directory, read from its ``index.json`` (no shard is opened).
+    """Lengths of every sample of a dataset directory, read from its index (no shard is opened).
 
     Total tokens = text_tokens + n_images * (image_token_count - 1), the same formula the packer uses;
     ``image_token_count`` defaults to the value the index was prepared with.
     """
-    path = Path(directory) / "index.json"
-    if not path.is_file():
-        raise FileNotFoundError(f"no index.json in {directory} (prepare the dataset with scripts/prepare_data.py)")
-    with open(path) as f:
-        idx = json.load(f)
-    if "shards" not in idx:
-        raise ValueError(f"{path} is not a dataset index: no 'shards' list")
-    itc = int(image_token_count if image_token_count is not None else idx.get("image_token_count", 1))
-    lengths: list[int] = []
-    images: list[int] = []
-    for shard in idx["shards"]:
-        tt, ni = shard.get("text_tokens"), shard.get("n_images")
-        if tt is None or ni is None or len(tt) != len(ni):
-            raise ValueError(f"{path}: shard {shard.get('name')} lacks aligned text_tokens / n_images")
-        lengths += [int(t) + int(n) * (itc - 1) for t, n in zip(tt, ni)]
-        images += [int(n) for n in ni]
+    from nanovlm.data.index import load_index
+
+    idx = load_index(directory, check_files=False)
+    itc = int(image_token_count if image_token_count is not None else idx.image_token_count)
+    lengths, images = idx.total_tokens(itc).tolist(), idx.columns["n_images"].tolist()
     return LengthSet(name or Path(directory).name, lengths, images, source=str(directory), notes={"image_tokens": itc})
 
 

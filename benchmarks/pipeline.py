@@ -19,12 +19,13 @@ Three measurements over the same shards:
 from __future__ import annotations
 
 import argparse
+import itertools
 import time
 from dataclasses import dataclass
 from typing import Any
 
 from benchmarks.common import Stats, percentile, proc_mb, reset_peak_rss, worker_memory
-from benchmarks.workloads import data_config, demo_dirs, shards
+from benchmarks.workloads import data_config, demo_dirs, sample_refs, shard_paths
 from nanovlm.config import Config, image_token_count
 
 
@@ -50,13 +51,7 @@ STAGES = ("read", "decode", "tokenize", "pack")
 
 def _first_refs(cfg: Config, n_samples: int) -> list[tuple[str, int, int, str]]:
     """(shard path, offset, bytes, key) of the first ``n_samples`` samples of the dataset."""
-    refs = []
-    for path, sh in shards(list(cfg.data.train)):
-        for k, off, nb in zip(sh.keys, sh.offsets, sh.nbytes):
-            refs.append((path, off, nb, k))
-            if len(refs) >= n_samples:
-                return refs
-    return refs
+    return list(itertools.islice(sample_refs(list(cfg.data.train)), n_samples))
 
 
 def _read_decode_tokenize(proc, refs: list[tuple[str, int, int, str]], t: dict[str, float]) -> list:
@@ -132,7 +127,7 @@ def raw_wds_stage(cfg: Config, n_samples: int, reps: int) -> dict[str, Any]:
     """webdataset's read + decode ("pil": full decode, RGB) of the same first ``n_samples``, one process."""
     import webdataset as wds
 
-    urls = [p for p, _ in shards(list(cfg.data.train))]
+    urls = shard_paths(list(cfg.data.train))
 
     def one_pass() -> tuple[float, int]:
         ds = wds.WebDataset(urls, shardshuffle=False, empty_check=False).decode("pil")
@@ -162,7 +157,7 @@ def raw_wds_rate(cfg: Config, workers: int, n_warm: int, n_timed: int, reps: int
     import webdataset as wds
     from torch.utils.data import DataLoader
 
-    urls = [p for p, _ in shards(list(cfg.data.train))]
+    urls = shard_paths(list(cfg.data.train))
     if workers > len(urls):
         return {"workers": workers, "skipped": f"{len(urls)} shard(s) cannot feed {workers} webdataset workers"}
     ds = wds.WebDataset(urls, shardshuffle=False, empty_check=False, workersplitter=wds.split_by_worker)

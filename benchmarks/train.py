@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.common import Stats, percentile, proc_mb, reset_peak_rss
-from benchmarks.workloads import data_config, demo_dirs, shards
+from benchmarks.workloads import data_config, demo_dirs, sample_refs
 from nanovlm.config import Config, image_token_count, load_config
 
 
@@ -50,15 +50,14 @@ def load_samples(cfg: Config, tokenizer, n: int) -> list:
     proc = SampleProcessor.from_config(tokenizer, cfg.model, cfg.data)
     reader = ShardReader()
     out = []
-    for path, sh in shards(list(cfg.data.train)):
-        for k, off, nb in zip(sh.keys, sh.offsets, sh.nbytes):
-            try:
-                out.append(proc.process(reader.read(path, off, nb, k), cfg.data.max_tokens, "drop"))
-            except SampleError:
-                continue
-            if len(out) >= n:
-                reader.close()
-                return out
+    for path, off, nb, k in sample_refs(list(cfg.data.train)):
+        try:
+            out.append(proc.process(reader.read(path, off, nb, k), cfg.data.max_tokens, "drop"))
+        except SampleError:
+            continue
+        if len(out) >= n:
+            reader.close()
+            return out
     reader.close()
     return out
 

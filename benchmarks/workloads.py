@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 from benchmarks import distributions as dist
 from nanovlm.config import Config, image_token_count, load_config
@@ -30,16 +30,22 @@ def data_config(args: argparse.Namespace, workers: int) -> Config:
     return bench_config(args, overrides)
 
 
-def shards(dirs: list[str]) -> list[tuple[str, Any]]:
-    """(shard path, shard entry of the index) of every shard of the dataset dirs, in index order."""
+def shard_paths(dirs: list[str]) -> list[str]:
+    """Every shard of the dataset dirs, in index order."""
     from nanovlm.data.index import load_index
 
-    out = []
-    for d in dirs:
-        idx = load_index(d)
-        for sh in idx.shards:
-            out.append((str(idx.shard_path(sh)), sh))
-    return out
+    return [str(idx.shard_path(sh)) for idx in map(load_index, dirs) for sh in idx.shards]
+
+
+def sample_refs(dirs: list[str]) -> Iterator[tuple[str, int, int, str]]:
+    """(shard path, byte offset, byte size, key) of every sample of the dataset dirs, in index order."""
+    from nanovlm.data.index import load_index
+
+    for idx in map(load_index, dirs):
+        offsets, nbytes = idx.columns["offset"], idx.columns["nbytes"]
+        for s, (lo, hi) in enumerate(zip(idx.shard_start[:-1], idx.shard_start[1:])):
+            for i in range(int(lo), int(hi)):
+                yield str(idx.shard_path(s)), int(offsets[i]), int(nbytes[i]), idx.key(i)
 
 
 def demo_dirs(cfg: Config) -> tuple[list[str], str]:
@@ -66,8 +72,6 @@ def index_length_sets(args: argparse.Namespace) -> tuple[list[dist.LengthSet], d
         train, _ = demo_dirs(cfg)
         dirs = train
     for d in dirs:
-        if not (Path(d) / "index.json").is_file():
-            raise FileNotFoundError(f"--index {d}: no index.json there (prepare it with scripts/prepare_data.py)")
         ls = dist.from_index(d, image_token_count=itc, name=f"index:{Path(d).parent.name}/{Path(d).name}")
         sets.append(ls)
         budgets[ls.name] = (L, cfg.data.max_images, cfg.data.lookahead, cfg.data.max_carry)

@@ -1,6 +1,6 @@
 """``python scripts/analyze_data.py DIR [DIR ...] --out REPORT_DIR [--max-tokens N]``: look at lengths before training.
 
-Reads only each directory's index.json (fast on millions of samples) and writes PNG histograms, the token
+Reads only each directory's index (fast on millions of samples) and writes PNG histograms, the token
 waste of padding vs packing at a budget, and summary.md with a recommended data.max_tokens and over-length
 policy.
 """
@@ -18,7 +18,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         prog="scripts/analyze_data.py",
         description="Length histograms, padding/packing waste and a recommended max_tokens, from the index only.",
     )
-    p.add_argument("dirs", nargs="+", help="dataset directories (each with index.json)")
+    p.add_argument("dirs", nargs="+", help="dataset directories (each with an index)")
     p.add_argument("--out", required=True, help="report directory (PNGs + summary.md)")
     p.add_argument(
         "--max-tokens", type=int, default=None, help="budget to evaluate (default: the config's data.max_tokens)"
@@ -38,6 +38,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="largest max_tokens to recommend (what activation memory allows; default: 16384)",
     )
     p.add_argument("--seed", type=int, default=0, help="seed of the simulated sample order")
+    p.add_argument("--verify", action="store_true", help="also re-hash every index column against meta.json")
     return p.parse_args(argv)  # fmt: skip
 
 
@@ -56,7 +57,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     indexes = []
     for d in args.dirs:
         try:
-            indexes.append(load_index(d, check_files=False))
+            indexes.append(load_index(d, check_files=False, verify=args.verify))
         except (FileNotFoundError, DatasetIndexError) as e:
             raise SystemExit(f"error: {e}") from None
     itc = args.image_token_count if args.image_token_count is not None else image_token_count(cfg.model)

@@ -2,10 +2,10 @@
 
 Two modes:
 
-* JSONL files (native, LLaVA or caption lines, detected per line) -> ``DIR/shard-NNNNNN.tar`` + ``index.json``.
+* JSONL files (native, LLaVA or caption lines, detected per line) -> ``DIR/shard-NNNNNN.tar`` + ``index/``.
   Image paths are relative to ``--image-root`` (default: the JSONL file's folder) and may not escape it.
 * ``--input DIR`` of existing WebDataset shards without an index (e.g. from img2dataset): writes only
-  ``index.json`` (into ``--output``, which may be DIR itself); the tars are read, never rewritten.
+  ``index/`` (into ``--output``, which may be DIR itself); the tars are read, never rewritten.
 
 Bad lines/samples never stop a run: each is skipped, counted by reason, and listed in ``DIR/rejected.jsonl``.
 Output is deterministic: the same input and tokenizer give byte-identical shards with any ``--workers``.
@@ -20,6 +20,7 @@ import json
 import multiprocessing as mp
 import os
 import re
+import shutil
 import signal
 import sys
 import time
@@ -74,6 +75,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=None,
         help="skip larger images (default: the config's data.max_image_pixels)",
     )
+    p.add_argument(
+        "--image-check",
+        choices=("decode", "header"),
+        default="decode",
+        help="index-only: decode every image (default) or read only its header, ~20x faster; an image damaged past "
+        "its header is then skipped and counted when training reads it",
+    )
     p.add_argument("--allow-absolute-paths", action="store_true", help="accept absolute image paths in JSONL lines")
     return p.parse_args(argv)  # fmt: skip
 
@@ -82,12 +90,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 # worker side
 
 
-def _init_worker(tokenizer_path: str, max_pixels: int, allow_absolute: bool) -> None:
+def _init_worker(tokenizer_path: str, max_pixels: int, allow_absolute: bool, decode: bool = True) -> None:
     from nanovlm.data.processing import SampleProcessor
     from nanovlm.data.tokenizer import load_tokenizer
 
     tok = load_tokenizer(tokenizer_path)
     _STATE.update(processor=SampleProcessor(tok, 1, 1), max_pixels=max_pixels, allow_absolute=allow_absolute)
+    _STATE["decode"] = decode
 
 
 def _init_pool_worker(*args) -> None:
@@ -111,29 +120,75 @@ def _jsonl_work(task: tuple) -> tuple:
         return ("skip", key, source, e.reason, e.detail)
 
 
-def _tar_work(task: tuple) -> tuple:
-    """(shard path, TarSample) -> ("ok", key, offset, nbytes, token counts, sizes) | ("skip", ...)."""
+_IN_MEMORY_MAX = 1 << 30  # shards up to this size are read whole and scanned in memory (the fast path)
+
+
+def _shard_work(path: str) -> dict:
+    """Index one existing shard -> {"rows": ShardIndex fields as lists, "skips": [[key, source, reason, detail]]}.
+
+    A damaged tar keeps the samples before the damage; the rest of the shard is one ``corrupt_shard`` skip."""
+    import tarfile
+
     from nanovlm.data.format import SampleError
     from nanovlm.data.prepare import index_tar_sample
 
-    path, ts = task
-    source = f"{Path(path).name}@{ts.offset}"
+    fields = ("keys", "offsets", "nbytes", "text_tokens", "n_images", "image_sizes", "prompt_tokens", "prompt_images")
+    rows: dict[str, list] = {k: [] for k in fields}
+    skips: list[list[str]] = []
+    name = Path(path).name
     try:
-        members: dict[str, bytes] = {}
-        with open(path, "rb") as f:
+        for ts, members in _shard_samples(path):
+            try:
+                bad = [d for d in members.values() if isinstance(d, SampleError)]
+                if bad:
+                    raise bad[0]
+                counts, sizes = index_tar_sample(
+                    members, ts.key, _STATE["processor"], _STATE["max_pixels"], _STATE["decode"]
+                )
+            except SampleError as e:
+                skips.append([ts.key, f"{name}@{ts.offset}", e.reason, e.detail])
+                continue
+            values = (ts.key, ts.offset, ts.nbytes, counts[0], len(sizes), sizes, counts[1], counts[2])
+            for k, v in zip(fields, values):
+                rows[k].append(v)
+    except (tarfile.TarError, OSError, EOFError) as e:
+        kept = len(rows["keys"]) + len(skips)
+        detail = (
+            f"{type(e).__name__}: {e}. The {kept} sample(s) before the damage are indexed; everything after it in "
+            "this shard is NOT (not counted above: its samples cannot be read). Rewrite the shard from its source"
+        )
+        skips.append([name, name, "corrupt_shard", detail])
+    return {"rows": rows, "skips": skips}
+
+
+def _shard_samples(path: str) -> Iterator[tuple]:
+    """(TarSample, {suffix: bytes | SampleError}) of each sample of a shard, in order.
+
+    A well-formed shard up to ``_IN_MEMORY_MAX`` is read once and scanned in memory; anything else goes through
+    ``scan_tar``, which raises where the tar breaks after yielding the samples before it."""
+    from nanovlm.data.format import SampleError
+    from nanovlm.data.index import scan_tar
+    from nanovlm.data.reader import scan_bytes
+
+    with open(path, "rb") as f:
+        if os.fstat(f.fileno()).st_size <= _IN_MEMORY_MAX:
+            blob = f.read()
+            samples = scan_bytes(blob)
+            if samples is not None:
+                for ts in samples:
+                    yield ts, {suffix: blob[o : o + n] for suffix, o, n in ts.members}
+                return
+        for ts in scan_tar(path):
+            members: dict = {}
             for suffix, offset, size in ts.members:
                 f.seek(offset)
-                data = f.read(size)
-                if len(data) != size:
-                    raise SampleError("corrupt_member", ts.key, f"member {suffix} truncated")
-                members[suffix] = data
-        counts, sizes = index_tar_sample(members, ts.key, _STATE["processor"], _STATE["max_pixels"])
-        return ("ok", ts.key, ts.offset, ts.nbytes, counts, sizes)
-    except SampleError as e:
-        return ("skip", ts.key, source, e.reason, e.detail)
+                members[suffix] = f.read(size)
+                if len(members[suffix]) != size:
+                    members[suffix] = SampleError("corrupt_member", ts.key, f"member {suffix} truncated")
+            yield ts, members
 
 
-def _results(fn, tasks: Iterator, workers: int, init_args: tuple) -> Iterator[tuple]:
+def _results(fn, tasks: Iterator, workers: int, init_args: tuple, chunksize: int = 8) -> Iterator:
     """Apply ``fn`` to tasks in order, in this process (workers=1) or a pool; order is always the input order."""
     if workers <= 1:
         _init_worker(*init_args)
@@ -143,7 +198,7 @@ def _results(fn, tasks: Iterator, workers: int, init_args: tuple) -> Iterator[tu
     with ctx.Pool(workers, initializer=_init_pool_worker, initargs=init_args) as pool:
         # In bounded chunks: Pool.imap would read the whole input ahead and buffer results without limit.
         while chunk := list(itertools.islice(tasks, 256 * workers)):
-            yield from pool.imap(fn, chunk, chunksize=8)
+            yield from pool.imap(fn, chunk, chunksize=chunksize)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -273,66 +328,78 @@ def run_jsonl(args, files: list[Path], out_dir: Path, tok_path: str, fingerprint
     return writer.close()
 
 
-def run_index_only(args, in_dir: Path, out_dir: Path, tok_path: str, fingerprint: str, itc: int, report: Report):
-    import tarfile
+PARTS_DIR = ".index-parts"  # per-shard results of an index-only run, kept until the index is written
 
+
+def run_index_only(args, in_dir: Path, out_dir: Path, tok_path: str, fingerprint: str, itc: int, report: Report):
+    """Index existing shards: one task per shard over ``--workers`` processes, resumable.
+
+    Each shard's rows are saved in ``OUT/.index-parts/`` as soon as it is done, stamped with the shard's size
+    and mtime and the settings that decide the rows; a re-run (after a kill) reuses every part whose stamp
+    still matches and indexes only the rest. The index is written once at the end (atomically), then the
+    parts are removed.
+    """
     from tqdm import tqdm
 
-    from nanovlm.data.index import DatasetIndex, ShardIndex, scan_tar
+    from nanovlm.data.index import DatasetIndex, ShardIndex
 
     shards = sorted(p for p in in_dir.iterdir() if p.is_file() and p.name.endswith(".tar"))
     if not shards:
         raise SystemExit(f"error: no .tar shards in {in_dir}")
-    tasks: list[tuple] = []
-    for path in shards:
-        before = len(tasks)
-        try:
-            for ts in scan_tar(path):
-                tasks.append((str(path), ts))
-        except (tarfile.TarError, OSError, EOFError) as e:  # keep the samples before the damage
-            kept = len(tasks) - before
-            report.skip(
-                path.name,
-                path.name,
-                "corrupt_shard",
-                f"{type(e).__name__}: {e}. The {kept} sample(s) before the damage are indexed; everything after it in "
-                "this shard is NOT (not counted above: its samples cannot be read). Rewrite the shard from its source",
-            )
-    fields = ("keys", "offsets", "nbytes", "text_tokens", "n_images", "image_sizes", "prompt_tokens", "prompt_images")
-    columns: dict[str, dict] = {str(p): {k: [] for k in fields} for p in shards}
-    seen: set[str] = set()
-    init = (tok_path, args.max_image_pixels, False)
-    with tqdm(total=len(tasks), unit="sample", desc="index", disable=None) as bar:
-        for (path, _), res in zip(tasks, _results(_tar_work, iter(tasks), args.workers, init)):
+    parts = out_dir / PARTS_DIR
+    parts.mkdir(parents=True, exist_ok=True)
+    settings = [fingerprint, args.max_image_pixels, args.image_check]
+    stamps = {str(p): [p.stat().st_size, p.stat().st_mtime_ns, *settings] for p in shards}
+    results = {str(p): r for p in shards if (r := _load_part(parts, p, stamps[str(p)])) is not None}
+    todo = [str(p) for p in shards if str(p) not in results]
+    init = (tok_path, args.max_image_pixels, False, args.image_check == "decode")
+    with tqdm(total=len(shards), initial=len(results), unit="shard", desc="index", disable=None) as bar:
+        for path, res in zip(todo, _results(_shard_work, iter(todo), args.workers, init, chunksize=1)):
+            results[path] = res
+            _save_part(parts, Path(path), res | {"stamp": stamps[path]})
             bar.update(1)
-            if res[0] == "skip":
-                report.skip(*res[1:])
-                continue
-            _, key, offset, nbytes, (tokens, prompt_tokens, prompt_images), sizes = res
+    entries, seen = [], set()
+    for path in shards:
+        res = results[str(path)]
+        for skip in res["skips"]:
+            report.skip(*skip)
+        rows = res["rows"]
+        keep = []
+        for i, key in enumerate(rows["keys"]):
             if key in seen:
-                report.skip(key, f"{Path(path).name}@{offset}", "duplicate_key", "keys must be unique within a dataset")
+                source = f"{path.name}@{rows['offsets'][i]}"
+                report.skip(key, source, "duplicate_key", "keys must be unique within a dataset")
                 continue
             seen.add(key)
-            col = columns[path]
-            for name, value in zip(
-                fields, (key, offset, nbytes, tokens, len(sizes), sizes, prompt_tokens, prompt_images)
-            ):
-                col[name].append(value)
-            report.written += 1
-    out_dir.mkdir(parents=True, exist_ok=True)
-    entries = [
-        ShardIndex(
-            name=os.path.relpath(path, out_dir),
-            size_bytes=path.stat().st_size,
-            num_samples=len(columns[str(path)]["keys"]),
-            **columns[str(path)],
-        )
-        for path in shards
-        if columns[str(path)]["keys"]
-    ]
-    index = DatasetIndex(out_dir, fingerprint, itc, "prepare_data (index only)", entries)
+            keep.append(i)
+        if keep:
+            picked = {k: [v[i] for i in keep] for k, v in rows.items()}
+            entries.append(ShardIndex(os.path.relpath(path, out_dir), path.stat().st_size, len(keep), **picked))
+        report.written += len(keep)
+    index = DatasetIndex.from_shards(out_dir, fingerprint, itc, "prepare_data (index only)", entries)
     index.save()
+    shutil.rmtree(parts, ignore_errors=True)
     return index
+
+
+def _part_path(parts: Path, shard: Path) -> Path:
+    return parts / f"{shard.name}.json"
+
+
+def _load_part(parts: Path, shard: Path, stamp: list) -> dict | None:
+    """A saved shard result, or None when there is none or it was made from other bytes or settings."""
+    try:
+        res = json.loads(_part_path(parts, shard).read_text())
+    except (OSError, ValueError):
+        return None
+    return res if isinstance(res, dict) and res.get("stamp") == stamp else None
+
+
+def _save_part(parts: Path, shard: Path, result: dict) -> None:
+    path = _part_path(parts, shard)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(result, ensure_ascii=False))
+    os.replace(tmp, path)
 
 
 def _resolve_tokenizer(args, cfg) -> str:
@@ -375,7 +442,9 @@ def _check_inputs(args: argparse.Namespace) -> tuple[list[Path], list[Path]]:
 def _summarize(report, index, out_dir: Path, rejected, elapsed: float, fingerprint: str, itc: int, args, cfg) -> int:
     """Print what was written and skipped; the exit code (1 when nothing could be written)."""
     total = report.written + sum(report.skips.values())
-    print(f"wrote {report.written} of {total} samples in {len(index.shards)} shard(s) to {out_dir} ({elapsed:.1f} s)")
+    print(
+        f"wrote {report.written} of {total} samples in {len(index.shards)} shard(s) to {out_dir} ({elapsed:.2f} s, {report.written / max(elapsed, 1e-9):.0f} samples/s)"
+    )
     if report.skips:
         print(
             f"skipped {sum(report.skips.values())}: " + ", ".join(f"{r}={n}" for r, n in sorted(report.skips.items()))
@@ -384,11 +453,13 @@ def _summarize(report, index, out_dir: Path, rejected, elapsed: float, fingerpri
     if report.written == 0:
         # no index: training and the other tools then say the directory is not a dataset, instead of planning an
         # empty one
-        (out_dir / "index.json").unlink(missing_ok=True)
+        from nanovlm.data.index import remove_index
+
+        remove_index(out_dir)
         reasons = ", ".join(f"{r}={n}" for r, n in sorted(report.skips.items())) or "no input samples"
         print(f"error: no sample could be written ({reasons}); see {rejected}", file=sys.stderr)
         return 1
-    print(f"index: {out_dir / 'index.json'} (tokenizer {fingerprint}, {itc} tokens per image)")
+    print(f"index: {out_dir / 'index'} (tokenizer {fingerprint}, {itc} tokens per image)")
     limit = cfg.data.max_image_pixels  # 0 = no limit, here and in training
     if limit > 0 and (args.max_image_pixels <= 0 or args.max_image_pixels > limit):
         print(

@@ -1,6 +1,6 @@
 """Length analysis of a dataset from its index alone: histograms, padding/packing waste, a recommended budget.
 
-Everything here reads ``index.json`` columns (never a shard), so it runs in seconds on millions of samples.
+Everything here reads index columns (never a shard), so it runs in seconds on millions of samples.
 Waste is simulated with the same algorithms training uses (``nanovlm.data.packing``), on the samples in a
 seeded random order (training shuffles; an index in sorted order would flatter padding).
 
@@ -43,13 +43,10 @@ class LengthStats:
 
 def collect(indexes: list[DatasetIndex], image_token_count: int) -> LengthStats:
     """The length columns of one or more indexes, concatenated."""
-    text = [t for idx in indexes for s in idx.shards for t in s.text_tokens]
-    imgs = [n for idx in indexes for s in idx.shards for n in s.n_images]
-    text_a, imgs_a = np.asarray(text, dtype=np.int64), np.asarray(imgs, dtype=np.int64)
+    text_a = np.concatenate([i.columns["text_tokens"] for i in indexes] or [np.zeros(0)]).astype(np.int64)
+    imgs_a = np.concatenate([i.columns["n_images"] for i in indexes] or [np.zeros(0)]).astype(np.int64)
     total = text_a + imgs_a * (image_token_count - 1)
-    prompts = np.asarray(
-        [t for idx in indexes for s in idx.shards for t in s.prompt_lengths(image_token_count)], np.int64
-    )
+    prompts = np.concatenate([i.prompt_lengths(image_token_count) for i in indexes] or [np.zeros(0, np.int64)])
     return LengthStats(text_a, total, imgs_a, image_token_count, [str(i.root) for i in indexes], prompts)
 
 

@@ -48,10 +48,8 @@ def load_table(dirs: list[str], tokenizer, tokenizer_name: str, image_tokens: in
                 f"({tokenizer_name}); its token lengths would be wrong. Re-run scripts/prepare_data.py "
                 "with this run's tokenizer (--tokenizer)."
             )
-        cols = ("keys", "offsets", "nbytes", "text_tokens", "n_images", "prompt_tokens", "prompt_images")
-        shards = [{"path": str(idx.shard_path(sh).resolve())} | {c: getattr(sh, c) for c in cols} for sh in idx.shards]
-        datasets.append((str(d), shards))
-    return SampleTable.from_shard_columns(datasets, image_tokens)
+        datasets.append((str(d), idx))
+    return SampleTable.from_indexes(datasets, image_tokens)
 
 
 class PackedMultimodalDataModule(L.LightningDataModule):
@@ -161,7 +159,7 @@ class PackedMultimodalDataModule(L.LightningDataModule):
             plan = self.current_plan()
             pos = plan.rank_positions(self.rank)
             n_dirs = len(self.table.dataset_names)
-            self._planned_per_ds = np.bincount(self.table.dataset[plan.order[pos]], minlength=n_dirs)
+            self._planned_per_ds = np.bincount(self.table.dataset_of(plan.order[pos]), minlength=n_dirs)
         return self._planned_per_ds
 
     # ---- loaders ---------------------------------------------------------------------------------------------
@@ -283,7 +281,7 @@ class PackedMultimodalDataModule(L.LightningDataModule):
             "datasets": [
                 {
                     "dir": name,
-                    "samples": int((tab.dataset == d).sum()),
+                    "samples": int(tab.dataset_start[d + 1] - tab.dataset_start[d]),
                     "shards": int((tab.shard_dataset == d).sum()),
                     "weight": (self.cfg.train_weights or [1.0] * len(tab.dataset_names))[d],
                 }

@@ -302,7 +302,9 @@ def make_demo_data(
 
 
 def _complete(root: Path) -> bool:
-    return all((root / p).exists() for p in ("tokenizer/tokenizer.json", "train/index.json", "val/index.json"))
+    return all(
+        (root / p).exists() for p in ("tokenizer/tokenizer.json", "train/index/meta.json", "val/index/meta.json")
+    )
 
 
 def ensure_demo_data(root: str | os.PathLike = "data/demo", **kwargs) -> Path:

@@ -1,153 +1,334 @@
-"""The dataset index: per shard and per sample, everything packing and resumption need, without reading tars.
+"""The dataset index: per sample, everything planning, reading and resumption need, without opening a tar.
 
-``index.json`` in a dataset directory (format in docs/internals.md) is columnar per shard, so millions of
-samples load in a second. Shard ``name`` is a path relative to the index's directory (usually a bare file
-name; ``../other/x.tar`` when an index was written for shards that live elsewhere).
+A dataset directory holds its shards and ``index/``: one ``.npy`` file per column plus ``meta.json`` (format in
+docs/internals.md). Columns are memory-mapped, so opening an index of 100M samples costs the same as one of
+100 (the header reads), the processes of a node share one copy in the page cache, and no column is ever turned
+into Python objects: a sample's key is decoded from ``keys.npy`` only when it is asked for. ``.npy`` because
+numpy maps it with no other dependency and any tool reads it; parquet pages are compressed (not mappable) and
+Arrow IPC would add pyarrow for the same layout.
 
-``scan_tar`` groups a tar's members by sample key and records each sample's byte range, so a reader can
-seek straight to one sample (``reader.ShardReader``) instead of streaming the shard.
+``DatasetIndex`` is the one reader (``load_index``) and the one writer (``from_shards`` + ``save``); a writer
+builds it from ``ShardIndex`` rows (one shard's fields as lists). Shard ``name`` is a path relative to the
+dataset directory (``../other/x.tar`` when the shards live elsewhere).
+
+``scan_tar`` groups a tar's members by sample key and records each sample's byte range, so a reader can seek
+straight to one sample (``reader.ShardReader``) instead of streaming the shard.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import shutil
 import tarfile
-from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
-INDEX_FILE = "index.json"
-INDEX_VERSION = 2
+import numpy as np
+
+INDEX_DIR = "index"
+META_FILE = "meta.json"
+INDEX_VERSION = 3
 _BLOCK = 512
+
+# column -> (dtype, rows): rows counts samples, images (one row [width, height] per image) or key bytes.
+# key i is keys[key_ends[i - 1]:key_ends[i]] (utf-8); sample i's images are the n_images[i] rows after the
+# images of the samples before it.
+COLUMNS: dict[str, tuple[str, str]] = {
+    "offset": ("<i8", "samples"),  # byte offset of the sample's first tar header in its shard
+    "nbytes": ("<i8", "samples"),  # bytes from that header to the end of its last member
+    "text_tokens": ("<i4", "samples"),  # tokens with each <image> counted once
+    "n_images": ("<i4", "samples"),
+    # before the first loss token: tokens (each <image> counted once) and images; data.overlength=truncate
+    # skips a sample whose prompt alone fills the limit, without reading it
+    "prompt_tokens": ("<i4", "samples"),
+    "prompt_images": ("<i4", "samples"),
+    "image_sizes": ("<i4", "images"),  # [num_images, 2]
+    "key_ends": ("<i8", "samples"),
+    "keys": ("|u1", "key_bytes"),
+}
+_ROW_FIELDS = ("offsets", "nbytes", "text_tokens", "n_images", "prompt_tokens", "prompt_images")
+_SAMPLE_COLUMNS = ("offset", "nbytes", "text_tokens", "n_images", "prompt_tokens", "prompt_images")
 
 
 class DatasetIndexError(ValueError):
-    """An index file is malformed or does not match the shards next to it."""
+    """An index is malformed or does not match the shards next to it."""
 
 
 @dataclass
 class ShardIndex:
-    """One shard: columnar per-sample fields (all lists have ``num_samples`` entries)."""
+    """One shard's rows, as a writer collects them (every list has ``num_samples`` entries)."""
 
     name: str
     size_bytes: int
     num_samples: int
     keys: list[str] = field(default_factory=list)
-    offsets: list[int] = field(default_factory=list)  # byte offset of the sample's first tar header
-    nbytes: list[int] = field(default_factory=list)  # bytes from that header to the end of its last member
-    text_tokens: list[int] = field(default_factory=list)  # tokens with each <image> counted once
+    offsets: list[int] = field(default_factory=list)
+    nbytes: list[int] = field(default_factory=list)
+    text_tokens: list[int] = field(default_factory=list)
     n_images: list[int] = field(default_factory=list)
     image_sizes: list[list[list[int]]] = field(default_factory=list)  # per sample, per image: [width, height]
-    # Before the first loss token: tokens (each <image> counted once) and images; data.overlength=truncate skips
-    # a sample whose prompt alone fills the limit, without reading it.
     prompt_tokens: list[int] = field(default_factory=list)
     prompt_images: list[int] = field(default_factory=list)
 
-    def total_tokens(self, image_token_count: int) -> list[int]:
-        """Tokens per sample after image expansion, for a model with ``image_token_count`` tokens per image."""
-        return [t + n * (image_token_count - 1) for t, n in zip(self.text_tokens, self.n_images)]
 
-    def prompt_lengths(self, image_token_count: int) -> list[int]:
-        """Tokens before each sample's first loss token after image expansion."""
-        return [t + n * (image_token_count - 1) for t, n in zip(self.prompt_tokens, self.prompt_images)]
+@dataclass(frozen=True)
+class ShardEntry:
+    """One shard as ``meta.json`` lists it."""
+
+    name: str
+    size_bytes: int
+    num_samples: int
 
 
 @dataclass
 class DatasetIndex:
-    """A dataset directory's index. ``root`` is the directory (not stored in the file)."""
+    """A dataset directory's index: shard list and per-sample columns (memory-mapped when loaded)."""
 
     root: Path
     tokenizer: str  # tokenizer fingerprint the text_tokens were counted with
     image_token_count: int  # tokens per image of the model the data was prepared for (informational)
     created_by: str
-    shards: list[ShardIndex]
+    shards: list[ShardEntry]
+    columns: dict[str, np.ndarray]
+    content_hash: str = ""  # of the columns and shard list: names the data in checkpoints (set by save/load)
     version: int = INDEX_VERSION
 
     @property
     def num_samples(self) -> int:
-        return sum(s.num_samples for s in self.shards)
+        return len(self.columns["offset"])
 
-    def shard_path(self, shard: int | ShardIndex) -> Path:
+    @property
+    def shard_start(self) -> np.ndarray:
+        """int64 [num_shards + 1]: shard i holds samples shard_start[i]:shard_start[i + 1]."""
+        return np.concatenate([[0], np.cumsum([s.num_samples for s in self.shards], dtype=np.int64)])
+
+    def shard_path(self, shard: int | ShardEntry) -> Path:
         s = self.shards[shard] if isinstance(shard, int) else shard
         return self.root / s.name
 
-    def total_tokens(self, image_token_count: int) -> list[int]:
-        """Tokens per sample after image expansion, over all shards in order."""
-        return [t for s in self.shards for t in s.total_tokens(image_token_count)]
+    def key(self, i: int) -> str:
+        ends = self.columns["key_ends"]
+        lo = int(ends[i - 1]) if i > 0 else 0
+        return bytes(self.columns["keys"][lo : int(ends[i])]).decode()
 
-    def to_json(self) -> dict:
-        return {
+    def key_list(self, lo: int = 0, hi: int | None = None) -> list[str]:
+        """Keys of samples lo:hi (decoded on demand: never call it for a whole large index)."""
+        return [self.key(i) for i in range(lo, self.num_samples if hi is None else hi)]
+
+    def shard(self, i: int) -> ShardIndex:
+        """Shard ``i``'s rows as lists (for tools and tests that walk one shard)."""
+        lo, hi = (int(x) for x in self.shard_start[i : i + 2])
+        c = self.columns
+        first = int(c["n_images"][:lo].sum())
+        counts = c["n_images"][lo:hi].tolist()
+        sizes = c["image_sizes"][first : first + sum(counts)].tolist()
+        per_sample, at = [], 0
+        for n in counts:
+            per_sample.append(sizes[at : at + n])
+            at += n
+        rows = {f: c[col][lo:hi].tolist() for f, col in zip(_ROW_FIELDS, _SAMPLE_COLUMNS)}
+        e = self.shards[i]
+        return ShardIndex(e.name, e.size_bytes, e.num_samples, self.key_list(lo, hi), image_sizes=per_sample, **rows)
+
+    def total_tokens(self, image_token_count: int) -> np.ndarray:
+        """int64 [N]: tokens per sample after image expansion, for ``image_token_count`` tokens per image."""
+        c = self.columns
+        return c["text_tokens"].astype(np.int64) + c["n_images"].astype(np.int64) * (image_token_count - 1)
+
+    def prompt_lengths(self, image_token_count: int) -> np.ndarray:
+        """int64 [N]: tokens before each sample's first loss token after image expansion."""
+        c = self.columns
+        return c["prompt_tokens"].astype(np.int64) + c["prompt_images"].astype(np.int64) * (image_token_count - 1)
+
+    @classmethod
+    def from_shards(
+        cls,
+        root: str | os.PathLike,
+        tokenizer: str,
+        image_token_count: int,
+        created_by: str,
+        shards: Sequence[ShardIndex],
+    ) -> DatasetIndex:
+        """Build (in memory) from a writer's per-shard rows."""
+        entries = []
+        for s in shards:
+            for f in ("keys", *_ROW_FIELDS, "image_sizes"):
+                if len(getattr(s, f)) != s.num_samples:
+                    raise DatasetIndexError(f"shard {s.name} has {len(getattr(s, f))} {f} for {s.num_samples} samples")
+            entries.append(ShardEntry(s.name, int(s.size_bytes), int(s.num_samples)))
+        cols = {
+            col: np.asarray([v for s in shards for v in getattr(s, f)], COLUMNS[col][0])
+            for f, col in zip(_ROW_FIELDS, _SAMPLE_COLUMNS)
+        }
+        sizes = [wh for s in shards for per in s.image_sizes for wh in per]
+        cols["image_sizes"] = np.asarray(sizes, COLUMNS["image_sizes"][0]).reshape(len(sizes), 2)
+        encoded = [k.encode() for s in shards for k in s.keys]
+        cols["key_ends"] = np.cumsum([len(k) for k in encoded], dtype=np.int64)
+        cols["keys"] = np.frombuffer(b"".join(encoded), np.uint8).copy()
+        cols = {name: np.ascontiguousarray(cols[name], dtype) for name, (dtype, _) in COLUMNS.items()}
+        out = cls(Path(root), tokenizer, image_token_count, created_by, entries, cols)
+        out.content_hash = _content_hash(entries, _column_meta(cols))
+        return out
+
+    def save(self) -> Path:
+        """Write ``root/index/`` (deterministic bytes) and return it; also sets ``content_hash``.
+
+        The columns are written to a temp directory that replaces the old index only when complete, so a crash
+        leaves the old index or none, never a mix (a reader that finds none says how to make one)."""
+        final = self.root / INDEX_DIR
+        tmp = self.root / f".{INDEX_DIR}.tmp-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        for name, (dtype, _) in COLUMNS.items():
+            np.save(tmp / f"{name}.npy", np.ascontiguousarray(self.columns[name], dtype))
+        col_meta = _column_meta(self.columns)
+        self.content_hash = _content_hash(self.shards, col_meta)
+        meta = {
             "version": self.version,
             "tokenizer": self.tokenizer,
             "image_token_count": self.image_token_count,
             "created_by": self.created_by,
-            "shards": [asdict(s) for s in self.shards],
+            "shards": [vars(s) for s in self.shards],
+            "columns": col_meta,
+            "content_hash": self.content_hash,
         }
-
-    def save(self) -> Path:
-        """Write ``root/index.json`` atomically (temp file + rename); deterministic bytes."""
-        path = self.root / INDEX_FILE
-        tmp = path.with_name(INDEX_FILE + ".tmp")
-        tmp.write_text(json.dumps(self.to_json(), ensure_ascii=False, separators=(",", ":")) + "\n")
-        os.replace(tmp, path)
-        return path
-
-
-_LIST_FIELDS = ("keys", "offsets", "nbytes", "text_tokens", "n_images", "image_sizes", "prompt_tokens", "prompt_images")
+        (tmp / META_FILE).write_text(json.dumps(meta, ensure_ascii=False, indent=1) + "\n")
+        old = self.root / f".{INDEX_DIR}.old-{os.getpid()}"
+        if final.exists():
+            os.replace(final, old)
+        os.replace(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+        return final
 
 
-def load_index(directory: str | os.PathLike, check_files: bool = True) -> DatasetIndex:
-    """Read and validate ``directory/index.json``; with ``check_files``, every shard must exist with its size.
+def remove_index(directory: str | os.PathLike) -> None:
+    """Delete a directory's index (its shards stay): training and the tools then refuse the directory."""
+    shutil.rmtree(Path(directory) / INDEX_DIR, ignore_errors=True)
 
-    Raises FileNotFoundError when there is no index (with the command that makes one) and DatasetIndexError
-    when the file is malformed or disagrees with the shards.
+
+def _column_meta(columns: dict[str, np.ndarray]) -> dict[str, dict]:
+    return {
+        name: {"dtype": dtype, "shape": list(columns[name].shape), "sha1": _digest(columns[name])}
+        for name, (dtype, _) in COLUMNS.items()
+    }
+
+
+def _digest(arr: np.ndarray) -> str:
+    h = hashlib.sha1()
+    flat = arr.reshape(-1).view(np.uint8) if arr.size else np.zeros(0, np.uint8)
+    for lo in range(0, len(flat), 1 << 26):
+        h.update(memoryview(flat[lo : lo + (1 << 26)]))
+    return h.hexdigest()
+
+
+def _content_hash(shards: Sequence[ShardEntry], col_meta: dict) -> str:
+    named = [(Path(s.name).name, s.size_bytes, s.num_samples) for s in shards]
+    return hashlib.sha1(repr((named, {k: v["sha1"] for k, v in sorted(col_meta.items())})).encode()).hexdigest()
+
+
+def load_index(directory: str | os.PathLike, check_files: bool = True, verify: bool = False) -> DatasetIndex:
+    """Open ``directory/index/``: read ``meta.json``, map every column and check its type and length.
+
+    ``check_files``: every shard must exist with its recorded size. ``verify``: also re-hash every column
+    against ``meta.json`` (reads all of it; ``scripts/analyze_data.py --verify``). Raises FileNotFoundError
+    when there is no index (with the command that makes one) and DatasetIndexError naming the file that is
+    malformed, truncated or disagrees with the rest.
     """
     root = Path(directory)
-    path = root / INDEX_FILE
-    if not path.is_file():
-        raise FileNotFoundError(
-            f"no {INDEX_FILE} in {root}: prepare the dataset with `python scripts/prepare_data.py --input ... "
-            f"--output {root}` (or `--input {root}` to index existing WebDataset shards)"
-        )
+    meta_path = root / INDEX_DIR / META_FILE
+    meta = _read_meta(root, meta_path)
     try:
-        raw = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise DatasetIndexError(f"{path} is not valid JSON: {e}") from None
-    if not isinstance(raw, dict) or raw.get("version") != INDEX_VERSION:
-        raise DatasetIndexError(
-            f"{path}: unsupported index version {raw.get('version') if isinstance(raw, dict) else raw!r} (this "
-            f"nanovlm reads version {INDEX_VERSION}: re-run scripts/prepare_data.py, or it is not an index)"
-        )
-    shards = []
-    for i, s in enumerate(raw.get("shards", [])):
-        try:
-            shard = ShardIndex(**s)
-        except TypeError as e:
-            raise DatasetIndexError(f"{path}: shard {i} has bad fields: {e}") from None
-        for f in _LIST_FIELDS:
-            if len(getattr(shard, f)) != shard.num_samples:
+        shards = [ShardEntry(str(s["name"]), int(s["size_bytes"]), int(s["num_samples"])) for s in meta["shards"]]
+        col_meta = meta["columns"]
+        header = (str(meta["tokenizer"]), int(meta["image_token_count"]), str(meta["created_by"]))
+    except (KeyError, TypeError, ValueError) as e:
+        raise DatasetIndexError(f"{meta_path}: missing or bad field {e}") from None
+    n = sum(s.num_samples for s in shards)
+    columns = {name: _map_column(meta_path.parent, name, col_meta) for name in COLUMNS}
+    _check_rows(meta_path, columns, n)
+    if verify:
+        for name, arr in columns.items():
+            if _digest(arr) != col_meta[name].get("sha1"):
                 raise DatasetIndexError(
-                    f"{path}: shard {shard.name} has {len(getattr(shard, f))} {f} for {shard.num_samples} samples"
+                    f"{meta_path.parent / (name + '.npy')}: content does not match its hash in "
+                    f"{META_FILE} (the file is corrupt: re-run scripts/prepare_data.py)"
                 )
-        if check_files:
-            sp = root / shard.name
+    if check_files:
+        for s in shards:
+            sp = root / s.name
             if not sp.is_file():
-                raise DatasetIndexError(f"{path}: shard {shard.name} is missing")
-            if sp.stat().st_size != shard.size_bytes:
+                raise DatasetIndexError(f"{meta_path}: shard {s.name} is missing")
+            if sp.stat().st_size != s.size_bytes:
                 raise DatasetIndexError(
-                    f"{path}: shard {shard.name} has {sp.stat().st_size} bytes, index says {shard.size_bytes} "
+                    f"{meta_path}: shard {s.name} has {sp.stat().st_size} bytes, index says {s.size_bytes} "
                     "(the shard changed after indexing: re-run prepare_data)"
                 )
-        shards.append(shard)
-    return DatasetIndex(
-        version=int(raw["version"]),
-        root=root,
-        tokenizer=str(raw.get("tokenizer", "")),
-        image_token_count=int(raw.get("image_token_count", 0)),
-        created_by=str(raw.get("created_by", "")),
-        shards=shards,
-    )
+    idx = DatasetIndex(root, *header, shards, columns, str(meta.get("content_hash", "")), INDEX_VERSION)
+    return idx
+
+
+def _read_meta(root: Path, path: Path) -> dict:
+    if not path.is_file():
+        old = " (index.json is an older index format)" if (root / "index.json").is_file() else ""
+        raise FileNotFoundError(
+            f"no {INDEX_DIR}/{META_FILE} in {root}{old}: prepare the dataset with `python scripts/prepare_data.py "
+            f"--input ... --output {root}` (or `--input {root}` to index existing WebDataset shards)"
+        )
+    try:
+        meta = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise DatasetIndexError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(meta, dict) or meta.get("version") != INDEX_VERSION:
+        version = meta.get("version") if isinstance(meta, dict) else meta
+        raise DatasetIndexError(
+            f"{path}: unsupported index version {version!r} (this nanovlm reads version {INDEX_VERSION}: re-run "
+            "scripts/prepare_data.py)"
+        )
+    return meta
+
+
+def _map_column(directory: Path, name: str, col_meta: dict) -> np.ndarray:
+    """Memory-map one column, refusing a missing, truncated or mistyped file by name."""
+    path = directory / f"{name}.npy"
+    dtype = COLUMNS[name][0]
+    want = col_meta.get(name) if isinstance(col_meta, dict) else None
+    if not isinstance(want, dict) or want.get("dtype") != dtype:
+        raise DatasetIndexError(f"{directory / META_FILE}: no {dtype} column {name!r}")
+    if not path.is_file():
+        raise DatasetIndexError(f"{path} is missing (re-run scripts/prepare_data.py)")
+    try:
+        arr = np.load(path, mmap_mode="r", allow_pickle=False)
+    except (ValueError, OSError, EOFError) as e:  # bad header, or fewer bytes than the header promises
+        raise DatasetIndexError(f"{path} is not a readable .npy column (truncated or corrupt: {e})") from None
+    if arr.dtype != np.dtype(dtype) or list(arr.shape) != list(want.get("shape", [])):
+        raise DatasetIndexError(
+            f"{path}: {arr.dtype} {list(arr.shape)} where {META_FILE} says {dtype} {want.get('shape')}"
+        )
+    return arr
+
+
+def _check_rows(meta_path: Path, c: dict[str, np.ndarray], n: int) -> None:
+    """Row counts agree with the shard list, and the columns that index others point inside them."""
+    for name, (_, rows) in COLUMNS.items():
+        if rows == "samples" and len(c[name]) != n:
+            raise DatasetIndexError(
+                f"{meta_path.parent / (name + '.npy')} has {len(c[name])} rows, but the shards in {META_FILE} "
+                f"hold {n} samples"
+            )
+    n_images = int(c["n_images"].sum(dtype=np.int64))
+    if c["image_sizes"].ndim != 2 or c["image_sizes"].shape != (n_images, 2):
+        raise DatasetIndexError(
+            f"{meta_path.parent / 'image_sizes.npy'}: shape {c['image_sizes'].shape}, "
+            f"expected ({n_images}, 2) for the images n_images.npy counts"
+        )
+    if n and int(c["key_ends"][-1]) != len(c["keys"]):
+        raise DatasetIndexError(
+            f"{meta_path.parent / 'key_ends.npy'} ends at {int(c['key_ends'][-1])}, but "
+            f"keys.npy holds {len(c['keys'])} bytes"
+        )
 
 
 def split_member_name(name: str) -> tuple[str, str]:

@@ -25,14 +25,14 @@ exactly K x slots_per_rank batches per epoch.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 from nanovlm.config import DataConfig
 from nanovlm.data import packing
+from nanovlm.data.index import DatasetIndex
 
 
 class PlanError(ValueError):
@@ -41,87 +41,104 @@ class PlanError(ValueError):
 
 @dataclass
 class SampleTable:
-    """Every sample of the training directories as flat metadata columns (row = gid)."""
+    """The samples of the training (or validation) directories, one row per gid, built from their indexes.
 
-    dataset: np.ndarray  # int32 [N] directory index of each sample
-    shard: np.ndarray  # int32 [N] global shard index of each sample
-    offset: np.ndarray  # int64 [N] byte offset of the sample's first tar header in its shard
-    nbytes: np.ndarray  # int64 [N] byte size of the sample's tar members
-    length: np.ndarray  # int64 [N] total tokens (text + image tokens) for the run's model
-    n_images: np.ndarray  # int64 [N]
-    prompt: np.ndarray  # int64 [N] tokens before the first loss token (image-expanded)
-    keys: list[str]  # [N] sample keys
+    Planning reads only the three length columns (derived for the run's model: each process holds them
+    once, and DataLoader workers forked from it share the pages). Where a sample lives (shard, byte range,
+    key) is looked up in the memory-mapped indexes one sample at a time, when it is read or named.
+    """
+
+    length: np.ndarray  # int32 [N] total tokens (text + image tokens) for the run's model
+    n_images: np.ndarray  # int32 [N]
+    prompt: np.ndarray  # int32 [N] tokens before the first loss token (image-expanded)
+    shard_start: np.ndarray  # int64 [n_shards + 1]: shard i holds gids shard_start[i]:shard_start[i + 1]
     shard_paths: list[str]  # [n_shards] absolute shard paths
     shard_dataset: np.ndarray  # int32 [n_shards] directory index of each shard
+    dataset_start: np.ndarray  # int64 [n_dirs + 1]: directory d holds gids dataset_start[d]:dataset_start[d + 1]
     dataset_names: list[str]  # [n_dirs] the directories as given
-    fingerprints: list[str] = field(default_factory=list)  # [n_dirs] content hash of each directory's index
+    fingerprints: list[str]  # [n_dirs] content hash of each directory's index
+    indexes: list[DatasetIndex]  # [n_dirs] where keys and byte ranges are looked up
 
     def __len__(self) -> int:
-        return len(self.keys)
+        return len(self.length)
+
+    def dataset_of(self, gids: np.ndarray) -> np.ndarray:
+        """Directory index of each gid."""
+        return np.searchsorted(self.dataset_start, gids, side="right") - 1
+
+    def shard_of(self, gids: np.ndarray) -> np.ndarray:
+        """Shard index of each gid."""
+        return np.searchsorted(self.shard_start, gids, side="right") - 1
+
+    def _local(self, gid: int) -> tuple[int, int]:
+        d = int(np.searchsorted(self.dataset_start, gid, side="right")) - 1
+        return d, int(gid - self.dataset_start[d])
+
+    def key(self, gid: int) -> str:
+        d, i = self._local(gid)
+        return self.indexes[d].key(i)
+
+    @property
+    def keys(self) -> KeyView:
+        """``keys[gid]`` decodes one key; the table never holds them all."""
+        return KeyView(self)
+
+    def locate(self, gid: int) -> tuple[str, int, int, str]:
+        """(shard path, byte offset, byte size, key) of one sample."""
+        d, i = self._local(gid)
+        cols = self.indexes[d].columns
+        return self.shard_paths[int(self.shard_of(gid))], int(cols["offset"][i]), int(cols["nbytes"][i]), self.key(gid)
 
     def head(self, n: int) -> SampleTable:
         """The first ``n`` samples (stored order); shards past them stay listed but hold no sample."""
-        cut = {
-            f: getattr(self, f)[:n]
-            for f in ("dataset", "shard", "offset", "nbytes", "length", "n_images", "prompt", "keys")
-        }
-        return replace(self, **cut)
+        return replace(
+            self,
+            length=self.length[:n],
+            n_images=self.n_images[:n],
+            prompt=self.prompt[:n],
+            shard_start=np.minimum(self.shard_start, n),
+            dataset_start=np.minimum(self.dataset_start, n),
+        )
 
     @classmethod
-    def from_shard_columns(cls, datasets: Sequence[tuple[str, Sequence[dict]]], image_token_count: int) -> SampleTable:
-        """Build from ``[(dataset_name, [shard, ...]), ...]`` where each shard dict holds ``path``, ``keys``,
-        ``offsets``, ``nbytes``, ``text_tokens``, ``n_images``, ``prompt_tokens`` and ``prompt_images`` (the
-        columns of index.json).
+    def from_indexes(cls, datasets: Sequence[tuple[str, DatasetIndex]], image_token_count: int) -> SampleTable:
+        """Build from ``[(directory name, its index), ...]``, in that order."""
 
-        The directory fingerprints leave the prompt columns out: they follow from the hashed columns and the
-        tokenizer."""
-        cols: dict[str, list] = {k: [] for k in ("dataset", "shard", "offset", "nbytes", "text", "img", "prompt")}
-        keys: list[str] = []
-        paths: list[str] = []
-        shard_ds: list[int] = []
-        names: list[str] = []
-        prints: list[str] = []
-        for d, (name, shards) in enumerate(datasets):
-            names.append(name)
-            h = hashlib.sha1()
-            for sh in shards:
-                n = len(sh["keys"])
-                for col in ("offsets", "nbytes", "text_tokens", "n_images", "prompt_tokens", "prompt_images"):
-                    if len(sh[col]) != n:
-                        raise PlanError(f"index of {name}: shard {sh['path']} has {n} keys but {len(sh[col])} {col}")
-                cols["dataset"].append(np.full(n, d, np.int32))
-                cols["shard"].append(np.full(n, len(paths), np.int32))
-                cols["offset"].append(np.asarray(sh["offsets"], np.int64))
-                cols["nbytes"].append(np.asarray(sh["nbytes"], np.int64))
-                cols["text"].append(np.asarray(sh["text_tokens"], np.int64))
-                cols["img"].append(np.asarray(sh["n_images"], np.int64))
-                prompt = np.asarray(sh["prompt_tokens"], np.int64)
-                cols["prompt"].append(prompt + np.asarray(sh["prompt_images"], np.int64) * (image_token_count - 1))
-                keys.extend(sh["keys"])
-                paths.append(str(sh["path"]))
-                shard_ds.append(d)
-                h.update(repr((str(sh["path"]).rsplit("/", 1)[-1], list(sh["keys"]), list(sh["text_tokens"]))).encode())
-                h.update(repr((list(sh["n_images"]), list(sh["offsets"]), list(sh["nbytes"]))).encode())
-            prints.append(h.hexdigest()[:16])
+        def cat(parts: list[np.ndarray], dtype: type) -> np.ndarray:
+            if len(parts) == 1 and parts[0].dtype == dtype:
+                return parts[0]  # one directory: the mapped column itself, shared by every process
+            return np.concatenate(parts).astype(dtype) if parts else np.zeros(0, dtype)
 
-        def cat(name: str, dtype: type) -> np.ndarray:
-            return np.concatenate(cols[name]).astype(dtype) if cols[name] else np.zeros(0, dtype)
-
-        text, img = cat("text", np.int64), cat("img", np.int64)
+        idxs = [idx for _, idx in datasets]
+        sizes = [idx.num_samples for idx in idxs]
+        shard_counts = [s.num_samples for idx in idxs for s in idx.shards]
         return cls(
-            dataset=cat("dataset", np.int32),
-            shard=cat("shard", np.int32),
-            offset=cat("offset", np.int64),
-            nbytes=cat("nbytes", np.int64),
-            length=text + img * (image_token_count - 1),
-            n_images=img,
-            prompt=cat("prompt", np.int64),
-            keys=keys,
-            shard_paths=paths,
-            shard_dataset=np.asarray(shard_ds, np.int32),
-            dataset_names=names,
-            fingerprints=prints,
+            length=cat([i.total_tokens(image_token_count) for i in idxs], np.int32),
+            n_images=cat([i.columns["n_images"] for i in idxs], np.int32),
+            prompt=cat([i.prompt_lengths(image_token_count) for i in idxs], np.int32),
+            shard_start=np.concatenate([[0], np.cumsum(shard_counts, dtype=np.int64)]).astype(np.int64),
+            shard_paths=[str(idx.shard_path(s).resolve()) for idx in idxs for s in idx.shards],
+            shard_dataset=np.asarray([d for d, idx in enumerate(idxs) for _ in idx.shards], np.int32),
+            dataset_start=np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)]).astype(np.int64),
+            dataset_names=[name for name, _ in datasets],
+            fingerprints=[idx.content_hash[:16] for idx in idxs],
+            indexes=idxs,
         )
+
+
+class KeyView:
+    """``table.keys[gid]`` -> key, decoded on demand from the directory's index."""
+
+    def __init__(self, table: SampleTable) -> None:
+        self.table = table
+
+    def __len__(self) -> int:
+        return len(self.table)
+
+    def __getitem__(self, gid: int) -> str:
+        if not 0 <= gid < len(self.table):
+            raise IndexError(gid)
+        return self.table.key(int(gid))
 
 
 @dataclass(frozen=True)
@@ -207,7 +224,7 @@ def epoch_order(
     weights = list(weights) or [1.0] * n_dirs
     if len(weights) != n_dirs or any(w < 0 for w in weights):
         raise PlanError(f"need one non-negative weight per directory ({n_dirs}), got {weights}")
-    shard_bounds = np.searchsorted(table.shard, np.arange(len(table.shard_paths) + 1))
+    shard_bounds = table.shard_start
     per_dir: list[np.ndarray] = []
     for d in range(n_dirs):
         shards = np.flatnonzero(table.shard_dataset == d)

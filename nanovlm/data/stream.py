@@ -88,7 +88,7 @@ class PackStream(IterableDataset):
                     # plain dicts: torch's default_convert/pin_memory copy a mapping and then update() it, which
                     # would add a Counter's counts twice
                     extra["planned_skips"] = {
-                        r: dict(Counter(s.table.dataset[plan.order[p]].tolist()))
+                        r: dict(Counter(s.table.dataset_of(plan.order[p]).tolist()))
                         for r, p in plan.slot_skips(slot).items()
                     }
                 if k == plan.packs_per_slot - 1 and local == spr - 1:  # the rank's last batch of the epoch
@@ -126,13 +126,13 @@ class PackStream(IterableDataset):
         planned: dict[int, int] = {}
 
         def load(gid: int):
-            key = t.keys[gid]
-            record = reader.read(t.shard_paths[t.shard[gid]], int(t.offset[gid]), int(t.nbytes[gid]), key)
+            path, offset, nbytes, key = t.locate(gid)
+            record = reader.read(path, offset, nbytes, key)
             sample = s.processor.process(record, limit_arg, s.spec.overlength)
             n, want = int(sample.input_ids.numel()), planned[gid]
             if n != want and not (sample.truncated and n <= want):
                 raise DataMismatchError(
-                    f"sample {key!r} of {t.dataset_names[t.dataset[gid]]} has {n} tokens after processing but its "
+                    f"sample {key!r} of {t.dataset_names[t.dataset_of(gid)]} has {n} tokens after processing but its "
                     f"index says {want}: the index was made with another tokenizer or image token count. Re-run "
                     "scripts/prepare_data.py with this run's tokenizer and model config."
                 )
@@ -142,13 +142,14 @@ class PackStream(IterableDataset):
             for sk in skips:
                 log.warning("skipped sample %s (%s): %s", sk.key, sk.reason, sk.detail)
             meta = dict(pack.extra)
-            meta["skips"] = [(t.keys[sk.ref], sk.reason, int(t.dataset[sk.ref])) for sk in skips]
+            meta["skips"] = [(t.key(sk.ref), sk.reason, int(t.dataset_of(sk.ref))) for sk in skips]
             if s.spec.mode == "packed":
                 return collate_packed(samples, s.spec.max_tokens, s.pad_id, s.image_size, meta)
             return collate_padded(samples, s.pad_id, s.image_size, meta)
 
         def key_of(gid: int) -> str:
-            return f"{t.keys[gid]} ({t.shard_paths[t.shard[gid]]})"
+            path, _, _, key = t.locate(gid)
+            return f"{key} ({path})"
 
         def packs() -> Iterator[PlannedPack]:
             for p in self._packs(local, (worker + c) // spr):

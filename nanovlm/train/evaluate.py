@@ -66,9 +66,11 @@ def _answered(idx, reader, skips: Counter | None):
     """The records of one dataset directory that end in an assistant turn and have an ``answer``, in order."""
     from nanovlm.data.format import SampleError
 
-    for shard in idx.shards:
-        path = str(idx.root / shard.name)
-        for key, off, nb in zip(shard.keys, shard.offsets, shard.nbytes):
+    offsets, nbytes = idx.columns["offset"], idx.columns["nbytes"]
+    for s, (lo, hi) in enumerate(zip(idx.shard_start[:-1], idx.shard_start[1:])):
+        path = str(idx.shard_path(s))
+        for i in range(int(lo), int(hi)):
+            key, off, nb = idx.key(i), int(offsets[i]), int(nbytes[i])
             try:
                 record = reader.read(path, off, nb, key)
             except SampleError as e:

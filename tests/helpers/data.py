@@ -48,4 +48,4 @@ def take(dm, n, consume=True):
 
 
 def all_keys(*dirs):
-    return sorted(k for d in dirs for sh in load_index(d).shards for k in sh.keys)
+    return sorted(k for d in dirs for k in load_index(d).key_list())

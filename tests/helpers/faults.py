@@ -10,12 +10,13 @@ functions, so a fault can be reproduced by hand from a Python shell (in ``tests/
 
 Dataset-level faults (``rewrite_shard``, ``truncate_mid_member``, ``corrupt_header``) act on a dataset directory
 written by ``nanovlm.data.prepare.write_dataset`` and follow the index format of docs/internals.md: they change a
-shard as bit rot or a careless tool would, and either keep ``index.json`` consistent with the new bytes (so the
+shard as bit rot or a careless tool would, and either keep the index consistent with the new bytes (so the
 fault is only visible when the sample is read) or leave it stale on purpose (so setup must notice).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import pickle
@@ -29,6 +30,7 @@ import pytest
 from PIL import Image
 
 from nanovlm.data.format import SampleError
+from nanovlm.data.index import DatasetIndex, ShardIndex, load_index
 
 BLOCK = 512  # tar block size
 
@@ -239,11 +241,16 @@ def empty_tar() -> bytes:
 
 
 def read_index(dataset_dir: Path) -> dict:
-    return json.loads((Path(dataset_dir) / "index.json").read_text())
+    """The index as one editable dict: header fields and, per shard, its rows as lists."""
+    idx = load_index(dataset_dir, check_files=False)
+    shards = [dataclasses.asdict(idx.shard(i)) for i in range(len(idx.shards))]
+    return {"tokenizer": idx.tokenizer, "image_token_count": idx.image_token_count, "shards": shards}
 
 
 def write_index(dataset_dir: Path, index: dict) -> None:
-    (Path(dataset_dir) / "index.json").write_text(json.dumps(index))
+    """Write an edited ``read_index`` dict back with the package's writer."""
+    shards = [ShardIndex(**s) for s in index["shards"]]
+    DatasetIndex.from_shards(dataset_dir, index["tokenizer"], index["image_token_count"], "test", shards).save()
 
 
 def shard_members(path: Path) -> list[tuple[str, bytes]]:
@@ -259,7 +266,7 @@ def member_spans(path: Path) -> list[tuple[str, int, int]]:
 
 
 def sample_ranges(path: Path) -> dict[str, tuple[int, int]]:
-    """key -> (offset, nbytes) of each sample's members, as index.json records them."""
+    """key -> (offset, nbytes) of each sample's members, as the index records them (its offset and nbytes columns)."""
     ranges: dict[str, tuple[int, int]] = {}
     for name, start, end in member_spans(path):
         key = name.split(".", 1)[0]
@@ -279,7 +286,7 @@ def rewrite_shard(
 
     ``extra`` members are appended to the sample they name (``key.suffix``), right after its last member, so
     the sample stays contiguous. With ``fix_index`` the shard's ``size_bytes``, ``offsets`` and ``nbytes`` in
-    index.json are recomputed from the new tar (keys, token counts and image counts are left as they were):
+    the index are recomputed from the new tar (keys, token counts and image counts are left as they were):
     the index is then consistent with the bytes and the fault shows only when the sample is decoded.
     """
     dataset_dir = Path(dataset_dir)

@@ -87,8 +87,8 @@ def test_distributions_deterministic_and_index_lengths(tmp_path, make_dataset):
     assert mixture(50, seed=3).lengths != mixture(50, seed=4).lengths
     idx = make_dataset(tmp_path / "ds", 20, samples_per_shard=8)
     ls = from_index(tmp_path / "ds", image_token_count=16)
-    assert ls.lengths == idx.total_tokens(16)
-    with pytest.raises(FileNotFoundError, match="index.json"):
+    assert ls.lengths == idx.total_tokens(16).tolist()
+    with pytest.raises(FileNotFoundError, match="index/meta.json"):
         from_index(tmp_path / "nothing")
 
 
@@ -159,7 +159,7 @@ def test_bad_input_is_a_clear_error(tmp_path, capsys):
     assert main(["--sections", "nope"]) == 2
     assert "unknown section" in capsys.readouterr().err
     assert main(["--quick", "--sections", "packing", "--index", str(tmp_path)]) == 2
-    assert "no index.json" in capsys.readouterr().err
+    assert "no index/meta.json" in capsys.readouterr().err
     # checked before any section runs (packing would otherwise take minutes first)
     assert main(["--quick", "--set", "model.bogus=1"]) == 2
     err = capsys.readouterr().err
@@ -211,3 +211,4 @@ def test_quick_all_sections(tmp_path, make_dataset, tiny_tokenizer):
         assert paired["n"] == 2 and paired["min"] <= paired["median"] <= paired["max"]  # one ratio per pass
     resume = doc["sections"]["resume"]["results"]
     assert [resume[k]["position"] for k in ("fresh", "early", "mid", "late")][0] == 0
+

@@ -37,7 +37,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import REPO
-from helpers.faults import malicious_checkpoint, not_an_image, rewrite_shard
+from helpers.faults import malicious_checkpoint, not_an_image, read_index, rewrite_shard
 from helpers.training import MICRO_MODEL
 
 from nanovlm.train.checkpoint import checkpoint_name, list_checkpoints
@@ -264,7 +264,7 @@ def _copy_dataset(src: Path, dst: Path) -> Path:
 def test_producer_failure_stops_the_run_naming_the_sample_and_keeps_checkpoints(demo, tmp_path):
     train = _copy_dataset(demo / "train", tmp_path / "train")
     key = _key_in_pack(demo, 8)  # read about 6 steps into training
-    index = json.loads((train / "index.json").read_text())
+    index = read_index(train)
     shard = next(i for i, s in enumerate(index["shards"]) if key in s["keys"])
 
     def longer_answer(k: str, suffix: str, data: bytes) -> bytes:
@@ -317,12 +317,11 @@ def test_training_counts_and_logs_bad_samples(demo, tmp_path, caplog):
         if len(first) == 4:
             break
     planned = sum(dm.telemetry()["skips_by_reason"].values())  # e.g. over-length samples, skipped by plan
-    n_images = {
-        k: n for s in json.loads((train / "index.json").read_text())["shards"] for k, n in zip(s["keys"], s["n_images"])
-    }
+    index = read_index(train)
+    n_images = {k: n for s in index["shards"] for k, n in zip(s["keys"], s["n_images"])}
     broken = {keys[-1] for keys in first[1:] if n_images[keys[-1]] > 0}  # one sample with an image in packs 2..4
     assert len(broken) >= 2
-    for s in range(len(json.loads((train / "index.json").read_text())["shards"])):
+    for s in range(len(index["shards"])):
         rewrite_shard(train, s, lambda k, sfx, d: not_an_image() if k in broken and sfx.endswith(("jpg", "png")) else d)
     with caplog.at_level("WARNING"):
         result = run_training(cfg)
@@ -484,7 +483,7 @@ def test_rank_with_far_less_usable_data_steps_with_the_others(demo, tmp_path):
         rank1.update(batch["sample_keys"])
         dm.on_batch_consumed(batch)
     broken = set(sorted(rank1)[: int(len(rank1) * 0.8)])
-    index = json.loads((train / "index.json").read_text())
+    index = read_index(train)
     for s in range(len(index["shards"])):
         rewrite_shard(
             train, s, lambda k, suffix, d: not_an_image() if k in broken and suffix.endswith(("jpg", "png")) else d

@@ -10,14 +10,14 @@ from nanovlm.data.index import DatasetIndex, ShardIndex, load_index
 
 
 def write_index(path, text_tokens, n_images, image_token_count=16, prompts=None):
-    """An index.json with the given columns and no shard files (analysis must not need them)."""
+    """An index with the given columns and no shard files (analysis must not need them)."""
     n = len(text_tokens)
     prompts = prompts or ([1] * n, [0] * n)
     keys = [f"k{i}" for i in range(n)]
     shard = ShardIndex("shard-000000.tar", 0, n, keys, [0] * n, [512] * n, list(text_tokens), list(n_images),
                        [[[32, 32]] * m for m in n_images], *map(list, prompts))  # fmt: skip
     path.mkdir(parents=True, exist_ok=True)
-    DatasetIndex(path, "fp", image_token_count, "test", [shard]).save()
+    DatasetIndex.from_shards(path, "fp", image_token_count, "test", [shard]).save()
     return load_index(path, check_files=False)
 
 
@@ -95,7 +95,7 @@ def test_analyze_cli_writes_plots_and_summary(tmp_path, make_dataset, capsys):
     from nanovlm.cli.analyze_data import main
 
     idx = make_dataset(tmp_path / "ds", 40, samples_per_shard=16, image_token_count=16)
-    for s in idx.shards:  # the report reads only index.json
+    for s in idx.shards:  # the report reads only the index
         (tmp_path / "ds" / s.name).unlink()
     out = tmp_path / "report"
     assert main([str(tmp_path / "ds"), "--out", str(out), "--max-tokens", "256", "--image-token-count", "16"]) == 0
@@ -127,7 +127,7 @@ def test_analyze_cli_writes_plots_and_summary(tmp_path, make_dataset, capsys):
 def test_analyze_cli_errors(tmp_path):
     from nanovlm.cli.analyze_data import main
 
-    with pytest.raises(SystemExit, match="no index.json"):
+    with pytest.raises(SystemExit, match="no index/meta.json"):
         main([str(tmp_path), "--out", str(tmp_path / "r")])
     write_index(tmp_path / "d", [1], [0])
     with pytest.raises(SystemExit, match="must be positive"):

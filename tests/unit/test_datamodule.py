@@ -14,7 +14,6 @@ live in unit/test_format.py).
 from __future__ import annotations
 
 import gc
-import json
 import re
 import shutil
 import threading
@@ -69,7 +68,8 @@ def test_packed_batches_match_per_sample_processing(data, tiny_tokenizer, overle
     dm = make_dm(cfg, tiny_tokenizer)
     proc = SampleProcessor(tiny_tokenizer, 32, IMAGE_TOKENS)
     idx = load_index(data / "a")
-    where = {k: (sh, i) for sh in idx.shards for i, k in enumerate(sh.keys)}
+    shards = [idx.shard(s) for s in range(len(idx.shards))]
+    where = {k: (s, i) for s, sh in enumerate(shards) for i, k in enumerate(sh.keys)}
     n_checked = 0
     for batch in take(dm, 4):
         t = max_tokens
@@ -79,8 +79,9 @@ def test_packed_batches_match_per_sample_processing(data, tiny_tokenizer, overle
         assert cu[0] == 0 and cu[-1] == t and batch["max_seqlen"] == max(b - a for a, b in zip(cu, cu[1:]))
         pixels = []
         for j, key in enumerate(batch["sample_keys"]):
-            sh, i = where[key]
-            rec = ShardReader().read(str(idx.shard_path(sh)), sh.offsets[i], sh.nbytes[i], key)
+            s, i = where[key]
+            sh = shards[s]
+            rec = ShardReader().read(str(idx.shard_path(s)), sh.offsets[i], sh.nbytes[i], key)
             ref = proc.process(rec, max_tokens, overlength)
             a, b = cu[j], cu[j + 1]
             assert torch.equal(batch["input_ids"][0, a:b], ref.input_ids)
@@ -130,9 +131,9 @@ def copy_dataset(src: Path, dst: Path) -> Path:
 @pytest.mark.parametrize("workers", [0, 1])
 def test_index_length_mismatch_surfaces_with_the_key(data, tiny_tokenizer, tmp_path, workers):
     d = copy_dataset(data / "a", tmp_path / "a")
-    raw = json.loads((d / "index.json").read_text())
+    raw = read_index(d)
     raw["shards"][0]["text_tokens"] = [n + 1 for n in raw["shards"][0]["text_tokens"]]
-    (d / "index.json").write_text(json.dumps(raw))
+    write_index(d, raw)
     dm = make_dm(make_cfg([d], num_workers=workers, shuffle_buffer=0), tiny_tokenizer)
     with pytest.raises(ProducerError) as err:
         take(dm, dm.current_plan().batches_per_rank())
@@ -143,8 +144,8 @@ def test_index_length_mismatch_surfaces_with_the_key(data, tiny_tokenizer, tmp_p
 def corrupt(d: Path, which: list[int]) -> list[str]:
     """Overwrite the tar header of the last member of the given samples of shard 0 (sizes unchanged)."""
     idx = load_index(d)
-    sh = idx.shards[0]
-    blob = bytearray(idx.shard_path(sh).read_bytes())
+    sh = idx.shard(0)
+    blob = bytearray(idx.shard_path(0).read_bytes())
     for i in which:
         pos, end, headers = sh.offsets[i], sh.offsets[i] + sh.nbytes[i], []
         while pos < end:
@@ -152,7 +153,7 @@ def corrupt(d: Path, which: list[int]) -> list[str]:
             size = int(bytes(blob[pos + 124 : pos + 136]).strip(b"\0 ") or b"0", 8)
             pos += 512 + -(-size // 512) * 512
         blob[headers[-1] : headers[-1] + 100] = b"\xff" * 100
-    idx.shard_path(sh).write_bytes(bytes(blob))
+    idx.shard_path(0).write_bytes(bytes(blob))
     return [sh.keys[i] for i in which]
 
 
@@ -238,9 +239,9 @@ def test_val_samples_is_one_subset_whatever_the_topology(data, tiny_tokenizer, w
     cfg = make_cfg([data / "a"], [data / "val"], num_workers=workers, max_tokens=160, val_samples=7)
     dms = [make_dm(cfg, tiny_tokenizer, r, world_size) for r in range(world_size)]
     keys = [k for dm in dms for b in dm.val_dataloader() for k in b["sample_keys"]]
-    first = dms[0].val_table.keys
+    first = list(dms[0].val_table.keys)
     assert len(first) == 7 and sorted(keys) == sorted(first)
-    assert first == [k for sh in load_index(data / "val").shards for k in sh.keys][:7]  # stored order
+    assert first == load_index(data / "val").key_list(0, 7)  # stored order
 
 
 def test_validation_set_smaller_than_the_slots(tmp_path, make_dataset, data, tiny_tokenizer):
@@ -307,8 +308,7 @@ def long_prompts(tmp_path_factory, tiny_tokenizer):
 def test_index_records_the_prompt_before_the_first_loss_token(long_prompts, tiny_tokenizer):
     path, records = long_prompts
     proc = SampleProcessor(tiny_tokenizer, 32, IMAGE_TOKENS)
-    shards = load_index(path).shards
-    prompts = [p for sh in shards for p in sh.prompt_lengths(IMAGE_TOKENS)]
+    prompts = load_index(path).prompt_lengths(IMAGE_TOKENS).tolist()
     for rec, prompt in zip(records, prompts, strict=True):
         labels = proc.process(rec).labels.tolist()
         assert prompt == next(i for i, label in enumerate(labels) if label != -100)  # image tokens expanded
@@ -444,7 +444,7 @@ def faulty(tmp_path, tiny_tokenizer):
     for shard in range(3):
         rewrite_shard(bad, shard, edit)
     index = load_index(bad)
-    shard = index.shards[2]
+    shard = index.shard(2)
     i = shard.keys.index(CORRUPT_HEADER_KEY)
     from helpers.faults import member_spans
 
@@ -581,7 +581,7 @@ def test_skip_rate_below_threshold_trains_on(tmp_path, tiny_tokenizer):
 
 
 def test_index_pointing_at_the_wrong_samples_is_skipped_not_misread(tmp_path, tiny_tokenizer):
-    """Two samples' byte ranges swapped in index.json: each range holds the other key, so neither is fed
+    """Two samples' byte ranges swapped in the index: each range holds the other key, so neither is fed
     under the wrong key (its token count and loss mask would be wrong); both are counted corrupt_member."""
     path = tmp_path / "ds"
     make_fault_dataset(path, tiny_tokenizer, long_key=None)

@@ -86,7 +86,7 @@ def test_deterministic_and_held_out(tmp_path):
     val_imgs = {r.images[0] for r in generate_records(12, "val") if r.images}
     assert not train_imgs & val_imgs
     # The answer is stored in the sample json.
-    sh = tr.shards[0]
+    sh = tr.shard(0)
     members = ShardReader().read_members(str(tr.shard_path(0)), sh.offsets[0], sh.nbytes[0], sh.keys[0])
     first = next(generate_records(1, "train"))
     assert b'"task":"' + first.extra["task"].encode() in members["json"]
@@ -98,16 +98,16 @@ def test_ensure_demo_data_builds_once(tmp_path):
     assert ensure_demo_data(root, **kw) == root
     assert sorted(p.name for p in root.iterdir()) == ["tokenizer", "train", "val"]
     assert not [p for p in root.parent.iterdir() if p.name.startswith(".")]  # temp dir cleaned up
-    stamp = (root / "train" / "index.json").stat().st_mtime_ns
+    stamp = (root / "train" / "index" / "meta.json").stat().st_mtime_ns
     ensure_demo_data(root, **kw)
-    assert (root / "train" / "index.json").stat().st_mtime_ns == stamp  # not rebuilt
+    assert (root / "train" / "index" / "meta.json").stat().st_mtime_ns == stamp  # not rebuilt
     # A missing part is filled in, the rest is kept.
     import shutil
 
     shutil.rmtree(root / "val")
     ensure_demo_data(root, **kw)
     assert load_index(root / "val").num_samples == 5
-    assert (root / "train" / "index.json").stat().st_mtime_ns == stamp
+    assert (root / "train" / "index" / "meta.json").stat().st_mtime_ns == stamp
 
 
 def test_cli_rejects_empty_output():
@@ -126,7 +126,7 @@ def test_default_size_is_fast_and_long_tailed(tmp_path):
     assert elapsed < 120, elapsed  # ~35 s measured on 2 shared cores; generous for loaded CI machines
     idx = load_index(tmp_path / "demo" / "train")
     tokens = np.array(idx.total_tokens(16))
-    n_img = np.array([n for s in idx.shards for n in s.n_images])
+    n_img = np.array(idx.columns["n_images"])
     assert set(n_img.tolist()) == {0, 1, 2}
     assert np.percentile(tokens, 50) < 60 and tokens.max() > 4 * np.percentile(tokens, 50)  # short median, long tail
 

@@ -10,12 +10,15 @@ names say, and image paths in JSONL stay inside ``--image-root`` (``..``, symlin
 ``unsafe_path`` unless ``--allow-absolute-paths``).
 """
 
+import dataclasses
 import hashlib
 import json
 import os
 import sys
 import tarfile
+from pathlib import Path
 
+import numpy as np
 import pytest
 import webdataset as wds
 from helpers.faults import (
@@ -42,7 +45,7 @@ from helpers.faults import (
 from helpers.synthetic import synthetic_image, synthetic_records
 
 from nanovlm.data.format import Record, SampleError, members_to_record
-from nanovlm.data.index import load_index, scan_tar
+from nanovlm.data.index import COLUMNS, load_index, scan_tar
 from nanovlm.data.prepare import resolve_image_path, write_dataset
 from nanovlm.data.processing import SampleProcessor
 from nanovlm.data.reader import ShardReader
@@ -50,7 +53,25 @@ from nanovlm.data.tokenizer import tokenizer_fingerprint
 
 
 def digest(d):
-    return {f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in sorted(d.iterdir())}
+    """Relative path -> sha256 of every file under ``d`` (the index is a directory of files)."""
+    return {
+        str(f.relative_to(d)): hashlib.sha256(f.read_bytes()).hexdigest() for f in sorted(d.rglob("*")) if f.is_file()
+    }
+
+
+def shards_of(idx):
+    """Every shard's rows as lists (``ShardIndex``), in order."""
+    return [idx.shard(i) for i in range(len(idx.shards))]
+
+
+def assert_same_index(a, b):
+    """Two DatasetIndex objects hold the same header, shard list and columns (dtype, shape and values)."""
+    header = ("version", "tokenizer", "image_token_count", "created_by", "shards", "content_hash")
+    assert [getattr(a, f) for f in header] == [getattr(b, f) for f in header]
+    assert sorted(a.columns) == sorted(b.columns) == sorted(COLUMNS)
+    for name in COLUMNS:
+        x, y = a.columns[name], b.columns[name]
+        assert x.dtype == y.dtype and x.shape == y.shape and np.array_equal(x, y), name
 
 
 def test_index_contents_exact(tmp_path, make_dataset, tiny_tokenizer):
@@ -58,24 +79,26 @@ def test_index_contents_exact(tmp_path, make_dataset, tiny_tokenizer):
     assert [s.num_samples for s in idx.shards] == [10, 10, 10, 7]
     assert [s.name for s in idx.shards] == [f"shard-{i:06d}.tar" for i in range(4)]
     loaded = load_index(tmp_path / "ds")
-    assert loaded.to_json() == idx.to_json()
+    assert_same_index(loaded, idx)
     assert loaded.tokenizer == tokenizer_fingerprint(tiny_tokenizer) and loaded.image_token_count == 16
     records = list(synthetic_records(37))
     proc = SampleProcessor(tiny_tokenizer, image_size=8, image_token_count=16)
-    keys = [k for s in loaded.shards for k in s.keys]
-    assert keys == [r.key for r in records]
-    assert [n for s in loaded.shards for n in s.n_images] == [i % 3 for i in range(37)]
-    assert [t for s in loaded.shards for t in s.text_tokens] == [proc.text_tokens(r.messages) for r in records]
+    rows = shards_of(loaded)
+    keys = [k for s in rows for k in s.keys]
+    assert keys == [r.key for r in records] == loaded.key_list()
+    assert [n for s in rows for n in s.n_images] == [i % 3 for i in range(37)]
+    assert [t for s in rows for t in s.text_tokens] == [proc.text_tokens(r.messages) for r in records]
     counts = [proc.token_counts(r.messages) for r in records]
-    assert [(p, m) for s in loaded.shards for p, m in zip(s.prompt_tokens, s.prompt_images)] == [c[1:] for c in counts]
-    sizes = [sz for s in loaded.shards for sz in s.image_sizes]
+    assert [(p, m) for s in rows for p, m in zip(s.prompt_tokens, s.prompt_images)] == [c[1:] for c in counts]
+    sizes = [sz for s in rows for sz in s.image_sizes]
     import io
 
     from PIL import Image
 
     assert sizes == [[list(Image.open(io.BytesIO(b)).size) for b in r.images] for r in records]
     # total tokens = text + images * (count - 1) = the processed length
-    tot = loaded.total_tokens(16)
+    tot = loaded.total_tokens(16).tolist()
+    assert len(tot) == len(records)
     for r, t in zip(records, tot):
         assert len(proc.process(r).input_ids) == t
     assert all(s.size_bytes == (tmp_path / "ds" / s.name).stat().st_size for s in loaded.shards)
@@ -84,8 +107,8 @@ def test_index_contents_exact(tmp_path, make_dataset, tiny_tokenizer):
 def test_byte_ranges_and_webdataset_reads_the_shards(tmp_path, make_dataset):
     idx = make_dataset(tmp_path / "ds", 12, samples_per_shard=5)
     records = {r.key: r for r in synthetic_records(12)}
-    for shard in idx.shards:
-        path = idx.shard_path(shard)
+    for n, shard in enumerate(shards_of(idx)):
+        path = idx.shard_path(n)
         streamed = list(wds.WebDataset(str(path), shardshuffle=False, empty_check=False))
         assert [s["__key__"] for s in streamed] == shard.keys
         for i, key in enumerate(shard.keys):
@@ -113,7 +136,7 @@ def test_deterministic_bytes(tmp_path, make_dataset):
     assert digest(tmp_path / "a") == digest(tmp_path / "b")
     # Re-running into the same directory with fewer samples removes the stale shards.
     make_dataset(tmp_path / "a", 5, samples_per_shard=8)
-    assert sorted(f.name for f in (tmp_path / "a").iterdir()) == ["index.json", "shard-000000.tar"]
+    assert sorted(f.name for f in (tmp_path / "a").iterdir()) == ["index", "shard-000000.tar"]
 
 
 def test_crash_leaves_no_half_written_shard(tmp_path, tiny_tokenizer):
@@ -151,7 +174,7 @@ def test_bad_records_raise_or_are_skipped(tmp_path, tiny_tokenizer):
         ("no_assistant_turn", "noans"),
         ("duplicate_key", "s00001"),
     ]
-    assert idx.shards[0].keys == ["s00000", "s00001", "s00002"]
+    assert idx.shard(0).keys == ["s00000", "s00001", "s00002"]
 
 
 def test_image_format_is_sniffed_and_exotic_formats_become_png(tmp_path, tiny_tokenizer):
@@ -168,11 +191,11 @@ def test_image_format_is_sniffed_and_exotic_formats_become_png(tmp_path, tiny_to
         [buf.getvalue(), jpeg],
     )
     idx = write_dataset([rec], tmp_path / "d", tiny_tokenizer, 16)
-    members = ShardReader().read_members(str(idx.shard_path(0)), 0, idx.shards[0].nbytes[0], "k")
+    members = ShardReader().read_members(str(idx.shard_path(0)), 0, idx.shard(0).nbytes[0], "k")
     assert sorted(members) == ["0.png", "1.jpg", "json"]
     assert members["1.jpg"] == jpeg
     assert Image.open(io.BytesIO(members["0.png"])).getpixel((0, 0)) == (1, 2, 3)
-    assert idx.shards[0].image_sizes == [[[5, 4], [9, 7]]]
+    assert idx.shard(0).image_sizes == [[[5, 4], [9, 7]]]
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -270,14 +293,14 @@ def test_prepare_data_formats_and_every_skip_reason(tmp_path, user_data, tiny_to
                   "--image-token-count", "16", "--samples-per-shard", "3")  # fmt: skip
     assert rc == 0
     idx = load_index(out)
-    assert [k for s in idx.shards for k in s.keys] == [
+    assert [k for s in shards_of(idx) for k in s.keys] == [
         "mixed-00000001",
         "mixed-00000002",
         "mixed-00000004",
         "mixed-00000015",
     ]
-    assert [n for s in idx.shards for n in s.n_images] == [2, 1, 1, 0]
-    assert [sz for s in idx.shards for sz in s.image_sizes] == [[[20, 12], [16, 16]], [[30, 40]], [[8, 8]], []]
+    assert [n for s in shards_of(idx) for n in s.n_images] == [2, 1, 1, 0]
+    assert [sz for s in shards_of(idx) for sz in s.image_sizes] == [[[20, 12], [16, 16]], [[30, 40]], [[8, 8]], []]
     rejected = [json.loads(line) for line in (out / "rejected.jsonl").read_text().splitlines()]
     assert [(r["source"], r["reason"]) for r in rejected] == [
         ("mixed.jsonl:3", "bad_json"),
@@ -295,10 +318,10 @@ def test_prepare_data_formats_and_every_skip_reason(tmp_path, user_data, tiny_to
     printed = capsys.readouterr().out
     assert "wrote 4 of 15 samples" in printed
     assert "skipped 11: " + ", ".join(f"{r}={n}" for r, n in sorted(EXPECTED_SKIPS.items())) in printed
-    assert str(out / "index.json") in printed
+    assert f"index: {out / 'index'} " in printed
     # The written samples are what training reads: LLaVA turned into messages, caption into the caption prompt.
     proc = SampleProcessor(tiny_tokenizer, 8, 16)
-    s = idx.shards[0]
+    s = idx.shard(0)
     read = ShardReader().read
     rec = read(str(idx.shard_path(0)), s.offsets[1], s.nbytes[1], s.keys[1])
     assert rec.messages == [{"role": "user", "content": "<image>\nColour?"}, {"role": "assistant", "content": "Blue."}]
@@ -380,12 +403,12 @@ def test_prepare_data_index_only_for_existing_webdataset(tmp_path, tiny_tokenize
     assert digest(src) == before  # tars untouched
     idx = load_index(out)
     assert [s.name for s in idx.shards] == ["../wds/00000.tar", "../wds/00001.tar"]
-    assert [s.keys for s in idx.shards] == [["000000000", "000000002"], ["000000004"]]
-    assert [s.image_sizes for s in idx.shards] == [[[[24, 18]], [[24, 18]]], [[[24, 18]]]]
+    assert [s.keys for s in shards_of(idx)] == [["000000000", "000000002"], ["000000004"]]
+    assert [s.image_sizes for s in shards_of(idx)] == [[[[24, 18]], [[24, 18]]], [[[24, 18]]]]
     proc = SampleProcessor(tiny_tokenizer, 8, 16)
-    for shard in idx.shards:
+    for n, shard in enumerate(shards_of(idx)):
         for i, key in enumerate(shard.keys):
-            rec = ShardReader().read(str(idx.shard_path(shard)), shard.offsets[i], shard.nbytes[i], key)
+            rec = ShardReader().read(str(idx.shard_path(n)), shard.offsets[i], shard.nbytes[i], key)
             assert shard.text_tokens[i] == proc.text_tokens(rec.messages)
             assert (shard.text_tokens[i], shard.prompt_tokens[i], shard.prompt_images[i]) == proc.token_counts(
                 rec.messages
@@ -429,7 +452,7 @@ def test_prepare_data_bad_tokenizer_and_nothing_written(tmp_path, tiny_tokenizer
     assert _prepare(tiny_tokenizer, "--input", str(src), "--output", str(tmp_path / "o")) == 1
     assert "no sample could be written (bad_json=1, " in capsys.readouterr().err
     assert len((tmp_path / "o" / "rejected.jsonl").read_text().splitlines()) == 2
-    assert not (tmp_path / "o" / "index.json").exists()  # not an (empty) dataset that training would plan
+    assert not (tmp_path / "o" / "index").exists()  # not an (empty) dataset that training would plan
 
 
 def test_input_files_with_colliding_names_keep_all_their_samples(tmp_path, tiny_tokenizer):
@@ -467,7 +490,7 @@ def test_image_sizes_are_upright_for_every_exif_orientation(orientation, upright
 
 
 def test_a_rerun_that_dies_leaves_no_index_of_the_earlier_dataset(tmp_path, tiny_tokenizer):
-    """The old index.json next to new shards of the same names described a silent mix of old and new samples."""
+    """The old index next to new shards of the same names described a silent mix of old and new samples."""
     out = tmp_path / "ds"
     write_dataset(synthetic_records(9), out, tiny_tokenizer, 16, samples_per_shard=3)
     load_index(out)
@@ -509,7 +532,7 @@ def test_lines_that_break_python_itself_are_rejected_not_fatal(tmp_path, tiny_to
     reasons = [r["reason"] for r in rejected]
     assert reasons == ["bad_utf8", "bad_image_ref", "bad_image_ref", "bad_json", "bad_image_ref"]
     assert all(len(r["detail"]) < 600 for r in rejected)
-    assert load_index(tmp_path / "o").shards[0].n_images == [1, 1]
+    assert load_index(tmp_path / "o").shard(0).n_images == [1, 1]
 
 
 def test_gzip_and_pipe_inputs_and_a_json_array_is_named(tmp_path, tiny_tokenizer):
@@ -591,7 +614,7 @@ def test_prepare_data_unreadable_gzip_inputs_are_errors(tmp_path, tiny_tokenizer
     (tmp_path / "cut.jsonl.gz").write_bytes(data[: len(data) // 2])  # a download cut short
     assert _prepare(tiny_tokenizer, "--input", str(tmp_path / "cut.jsonl.gz"), "--output", str(tmp_path / "o")) == 1
     assert "error: cannot read" in capsys.readouterr().err
-    assert not (tmp_path / "o" / "index.json").exists()
+    assert not (tmp_path / "o" / "index").exists()
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -607,7 +630,7 @@ def test_exif_rotation_is_recorded_upright_in_the_index(tmp_path, tiny_tokenizer
     rotated, _ = exif_rotated_png(6, size=(32, 16))
     record = Record("rot", conversation(1)["messages"], [rotated])
     index = write_dataset([record], tmp_path / "ds", tiny_tokenizer, TOKENS_PER_IMAGE)
-    assert index.shards[0].image_sizes == [[[16, 32]]]
+    assert index.shard(0).image_sizes == [[[16, 32]]]
 
 
 def test_prepare_data_lists_every_bad_line_with_its_reason(tmp_path, tiny_tokenizer):
@@ -657,7 +680,7 @@ def test_prepare_data_lists_every_bad_line_with_its_reason(tmp_path, tiny_tokeni
     assert [(r["source"], r["reason"]) for r in rejected] == want
     index = load_index(out)
     assert index.num_samples == 5
-    assert index.shards[0].image_sizes[4] == [[16, 32]]  # EXIF rotation recorded upright
+    assert index.shard(0).image_sizes[4] == [[16, 32]]  # EXIF rotation recorded upright
 
 
 def _foreign_shards(directory, n_shards: int = 2, per_shard: int = 6):
@@ -676,7 +699,9 @@ def _index_only(directory, tokenizer) -> tuple[int, dict[str, list[str]], list[d
 
     rc = main(["--input", str(directory), "--output", str(directory), "--tokenizer", tokenizer.name_or_path])
     keys = (
-        {s["name"]: s["keys"] for s in read_index(directory)["shards"]} if (directory / "index.json").exists() else {}
+        {s["name"]: s["keys"] for s in read_index(directory)["shards"]}
+        if (directory / "index" / "meta.json").exists()
+        else {}
     )
     rejected = directory / "rejected.jsonl"
     return rc, keys, [json.loads(x) for x in rejected.read_text().splitlines()] if rejected.exists() else []
@@ -738,7 +763,7 @@ def test_prepare_data_index_only_never_unpickles_shard_members(tmp_path, tiny_to
         members += [(f"x{i}.{suffix}", pickle_payload(marker)) for suffix in HOSTILE_SUFFIXES]
     (shards / "part-0.tar").write_bytes(tar_bytes(members))
     assert main(["--input", str(shards), "--output", str(shards), "--tokenizer", tiny_tokenizer.name_or_path]) == 0
-    index = json.loads((shards / "index.json").read_text())
+    index = read_index(shards)
     assert index["shards"][0]["keys"] == ["x0", "x1", "x2", "x3"]
     assert not marker.exists()
 
@@ -756,10 +781,10 @@ def test_tar_member_names_cannot_write_outside(tmp_path, tiny_tokenizer):
     members += [("../../escaped.txt", b"owned"), (str(absolute), b"owned")]
     (shards / "part-0.tar").write_bytes(tar_bytes(members))
     main(["--input", str(shards), "--output", str(shards), "--tokenizer", tiny_tokenizer.name_or_path])
-    index = json.loads((shards / "index.json").read_text())
+    index = read_index(shards)
     assert index["shards"][0]["keys"][0] == "x0"
     assert not escaped.exists() and not absolute.exists()
-    assert sorted(p.name for p in shards.iterdir()) == ["index.json", "part-0.tar", "rejected.jsonl"]
+    assert sorted(p.name for p in shards.iterdir()) == ["index", "part-0.tar", "rejected.jsonl"]
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -819,7 +844,7 @@ def test_prepare_data_rejects_escaping_paths_and_lists_them(tmp_path, image_root
     rejected = [json.loads(x) for x in (out / "rejected.jsonl").read_text().splitlines()]
     expected = [(f"data.jsonl:{i + 1}", reason) for i, reason in enumerate(lines.values()) if reason != "ok"]
     assert [(r["source"], r["reason"]) for r in rejected] == expected
-    index = json.loads((out / "index.json").read_text())
+    index = read_index(out)
     assert sum(s["num_samples"] for s in index["shards"]) == 2
     secret = (image_root.parent / "secret.png").read_bytes()
     for shard in out.glob("shard-*.tar"):
@@ -837,7 +862,7 @@ def test_absolute_paths_are_accepted_only_when_allowed(tmp_path, image_root, tin
     assert main([*args, "--tokenizer", tiny_tokenizer.name_or_path]) == 1  # nothing written: an error
     assert json.loads((out / "rejected.jsonl").read_text())["reason"] == "unsafe_path"
     assert main([*args, "--tokenizer", tiny_tokenizer.name_or_path, "--allow-absolute-paths"]) == 0
-    assert json.loads((out / "index.json").read_text())["shards"][0]["num_samples"] == 1
+    assert read_index(out)["shards"][0]["num_samples"] == 1
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="symlink semantics")
@@ -848,3 +873,55 @@ def test_prepare_data_never_follows_symlinked_jsonl_images_out_of_root_even_via_
         resolve_image_path(ref, image_root)
     assert exc.value.reason == "unsafe_path"
     assert os.path.exists(image_root / "linkdir" / "secret.png")
+
+
+def test_index_only_resumes_after_a_kill(tmp_path, tiny_tokenizer, monkeypatch):
+    """A killed index-only run keeps each finished shard's rows; the same command then indexes only the shards
+    not done (and any whose bytes changed since) and writes the index a clean run writes."""
+    from nanovlm.cli import prepare_data
+
+    clean = _foreign_shards(tmp_path / "clean", n_shards=3)
+    shards = _foreign_shards(tmp_path / "killed", n_shards=3)
+    args = ["--workers", "1", "--tokenizer", tiny_tokenizer.name_or_path]
+    assert prepare_data.main(["--input", str(clean), "--output", str(clean), *args]) == 0
+    real, seen = prepare_data._shard_work, []
+
+    def work(path):
+        seen.append(Path(path).name)
+        if Path(path).name == "part-2.tar" and len(seen) == 3:
+            raise KeyboardInterrupt  # the kill, after two shards are done
+        return real(path)
+
+    monkeypatch.setattr(prepare_data, "_shard_work", work)
+    assert prepare_data.main(["--input", str(shards), "--output", str(shards), *args]) == 130
+    assert not (shards / "index").exists()
+    assert sorted(p.name for p in (shards / ".index-parts").iterdir()) == ["part-0.tar.json", "part-1.tar.json"]
+    (shards / "part-1.tar").write_bytes((clean / "part-1.tar").read_bytes() + b"\0" * 512)  # changed: not trusted
+    seen.clear()
+    assert prepare_data.main(["--input", str(shards), "--output", str(shards), *args]) == 0
+    assert seen == ["part-1.tar", "part-2.tar"]
+    assert not (shards / ".index-parts").exists()
+    got, want = load_index(shards), load_index(clean)
+    assert [got.shard(i) for i in range(3)] == [
+        dataclasses.replace(want.shard(i), size_bytes=(shards / want.shards[i].name).stat().st_size) for i in range(3)
+    ]
+
+
+def test_index_only_header_check_reads_sizes_without_decoding(tmp_path, tiny_tokenizer):
+    """--image-check header records the same index as a full decode for intact images; an image damaged after
+    its header then passes (training skips it when it reads it), where decode rejects it."""
+    from nanovlm.cli.prepare_data import main
+
+    shards = _foreign_shards(tmp_path / "foreign")
+    args = ["--input", str(shards), "--workers", "1", "--tokenizer", tiny_tokenizer.name_or_path]
+    assert main([*args, "--output", str(tmp_path / "decode")]) == 0
+    assert main([*args, "--output", str(tmp_path / "header"), "--image-check", "header"]) == 0
+    dec, head = load_index(tmp_path / "decode"), load_index(tmp_path / "header")
+    assert [dec.shard(i) for i in range(2)] == [head.shard(i) for i in range(2)]
+    broken = png(seed=0)
+    members = [("y_0.png", broken[: len(broken) // 2]), ("y_0.json", json_bytes(conversation(1)))]
+    (shards / "part-0.tar").write_bytes(tar_bytes(members))
+    (shards / "part-1.tar").unlink()
+    assert main([*args, "--output", str(tmp_path / "decode2")]) == 1  # nothing indexable
+    assert main([*args, "--output", str(tmp_path / "header2"), "--image-check", "header"]) == 0
+    assert load_index(tmp_path / "header2").key_list() == ["y_0"]

@@ -18,7 +18,7 @@ from nanovlm.data.reader import ShardReader
 def test_index_offsets_pointing_at_another_sample_are_detected(dataset):
     """A stale index (same shard size, other sample order) must not silently feed the wrong sample."""
     index = load_index(dataset)
-    shard = index.shards[0]
+    shard = index.shard(0)
     path, read = str(index.shard_path(0)), ShardReader().read_members
     with pytest.raises(SampleError, match="s00001"):
         read(path, shard.offsets[1], shard.nbytes[1], shard.keys[0])
@@ -29,7 +29,7 @@ def test_index_offsets_pointing_at_another_sample_are_detected(dataset):
 def test_corrupt_header_is_detected_when_the_sample_is_read(dataset):
     """Same size, so setup passes; Python's tarfile would silently stop at the bad header: the reader must not."""
     index = load_index(dataset)
-    shard = index.shards[1]
+    shard = index.shard(1)
     path = index.shard_path(1)
     # member 0 of sample 3 in shard 1 (samples have 1..3 members: find the first member at its offset)
     from helpers.faults import member_spans
@@ -72,8 +72,8 @@ def test_reader_fast_path_matches_tarfile(tmp_path, make_dataset):
     import nanovlm.data.reader as reader
 
     idx = make_dataset(tmp_path / "ds", 12, samples_per_shard=12)
-    sh = idx.shards[0]
-    blob = idx.shard_path(sh).read_bytes()
+    sh = idx.shard(0)
+    blob = idx.shard_path(0).read_bytes()
     for key, off, nb in zip(sh.keys, sh.offsets, sh.nbytes):
         part = blob[off : off + nb]
         assert reader._fast_members(part) is not None
@@ -92,8 +92,8 @@ def test_reader_fast_path_rejects_every_single_byte_header_corruption(tmp_path, 
     import nanovlm.data.reader as reader
 
     idx = make_dataset(tmp_path / "ds", 2, samples_per_shard=2)
-    sh = idx.shards[0]
-    part = idx.shard_path(sh).read_bytes()[sh.offsets[0] : sh.offsets[0] + sh.nbytes[0]]
+    sh = idx.shard(0)
+    part = idx.shard_path(0).read_bytes()[sh.offsets[0] : sh.offsets[0] + sh.nbytes[0]]
     good = reader._fast_members(part)
     assert good is not None
     for pos in range(512):
@@ -104,3 +104,36 @@ def test_reader_fast_path_rejects_every_single_byte_header_corruption(tmp_path, 
                 assert reader._fast_members(bytes(bad)) in (None, good), pos
             else:
                 assert reader._fast_members(bytes(bad)) is None, (pos, delta)
+
+
+def test_scan_bytes_matches_scan_tar_and_refuses_damage(tmp_path, make_dataset):
+    """The in-memory scan (prepare_data's fast path) gives scan_tar's samples and ranges, pax members included,
+    and hands any damage back to scan_tar (None) instead of stopping at it."""
+    import tarfile
+
+    from helpers.faults import tar_bytes, truncate_mid_member
+
+    from nanovlm.data.index import scan_tar
+    from nanovlm.data.reader import scan_bytes
+
+    idx = make_dataset(tmp_path / "ds", 12, samples_per_shard=12)
+    path = idx.shard_path(0)
+    assert scan_bytes(path.read_bytes()) == list(scan_tar(path))
+    long_key = "k" * 120  # over ustar's 100-character name: written with a pax header
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tf:
+        for name, data in [(f"{long_key}.txt", b"a"), (f"{long_key}.json", b"{}"), ("b.txt", b"bb")]:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tf.addfile(info, io.BytesIO(data))
+    pax = tmp_path / "pax.tar"
+    pax.write_bytes(buf.getvalue())
+    assert scan_bytes(pax.read_bytes()) == list(scan_tar(pax)) and [s.key for s in scan_tar(pax)] == [long_key, "b"]
+    damaged = tmp_path / "damaged.tar"
+    damaged.write_bytes(path.read_bytes())
+    corrupt_header(damaged, 5)
+    assert scan_bytes(damaged.read_bytes()) is None
+    damaged.write_bytes(path.read_bytes())
+    truncate_mid_member(damaged, 5)
+    assert scan_bytes(damaged.read_bytes()) is None
+    assert scan_bytes(tar_bytes([("x.txt", b"1")]) + b"junk") is None  # bytes after the end blocks

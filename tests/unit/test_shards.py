@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from nanovlm.data.index import DatasetIndex, ShardIndex
 from nanovlm.data.shards import (
     ConsumedPart,
     PackSpec,
@@ -25,20 +26,24 @@ def make_table(shard_sizes_per_dir, seed=0, image_token_count=4, max_text=300):
     for d, sizes in enumerate(shard_sizes_per_dir):
         shards = []
         for s, n in enumerate(sizes):
+            text, images = rng.integers(5, max_text, n).tolist(), rng.integers(0, 3, n).tolist()
             shards.append(
-                {
-                    "path": f"/data/d{d}/shard-{s:06d}.tar",
-                    "keys": [f"d{d}s{s}k{i}" for i in range(n)],
-                    "offsets": [512 * 4 * i for i in range(n)],
-                    "nbytes": [512 * 4] * n,
-                    "text_tokens": rng.integers(5, max_text, n).tolist(),
-                    "n_images": rng.integers(0, 3, n).tolist(),
-                    "prompt_tokens": [4] * n,
-                    "prompt_images": [0] * n,
-                }
+                ShardIndex(
+                    name=f"shard-{s:06d}.tar",
+                    size_bytes=512 * 4 * (n + 1),
+                    num_samples=n,
+                    keys=[f"d{d}s{s}k{i}" for i in range(n)],
+                    offsets=[512 * 4 * i for i in range(n)],
+                    nbytes=[512 * 4] * n,
+                    text_tokens=text,
+                    n_images=images,
+                    image_sizes=[[[32, 32]] * k for k in images],
+                    prompt_tokens=[4] * n,
+                    prompt_images=[0] * n,
+                )
             )
-        datasets.append((f"d{d}", shards))
-    return SampleTable.from_shard_columns(datasets, image_token_count)
+        datasets.append((f"d{d}", DatasetIndex.from_shards(f"/data/d{d}", "tok", image_token_count, "test", shards)))
+    return SampleTable.from_indexes(datasets, image_token_count)
 
 
 UNEVEN = [[50, 3, 1, 20, 7, 33]]
@@ -58,7 +63,7 @@ def test_epoch_order_is_a_deterministic_bounded_shuffle():
     assert max(abs(where[g] - i) for i, g in enumerate(a.tolist())) <= 8
     assert not np.array_equal(a, base)
     # shards stay contiguous without the window shuffle
-    shard_runs = [t.shard[g] for g in base]
+    shard_runs = t.shard_of(base).tolist()
     assert sum(1 for i in range(1, len(shard_runs)) if shard_runs[i] != shard_runs[i - 1]) == 5
     # validation order: stored order
     assert epoch_order(t, 1, 0, shuffle=False).tolist() == list(range(len(t)))
@@ -222,7 +227,7 @@ def test_fractional_weight_takes_another_subset_each_epoch_also_from_one_shard()
 def test_shard_order_differs_per_epoch():
     t = make_table(UNEVEN)
     a, b = (epoch_order(t, 1, e, shuffle_buffer=0) for e in (0, 1))
-    assert [t.shard[g] for g in a] != [t.shard[g] for g in b]
+    assert t.shard_of(a).tolist() != t.shard_of(b).tolist()
 
 
 def test_window_shuffle_differs_per_epoch():

@@ -148,7 +148,7 @@ def test_decode_marked(tiny_tokenizer):
 def test_inspect_batch_errors(tmp_path):
     from nanovlm.cli.inspect_batch import main
 
-    with pytest.raises(SystemExit, match="no index.json"):
+    with pytest.raises(SystemExit, match="no index/meta.json"):
         main([str(tmp_path), "--out", str(tmp_path / "x.png")])
     with pytest.raises(SystemExit, match="unknown config key"):
         main([str(tmp_path), "--out", str(tmp_path / "new" / "x.png"), "data.max_tokenz=3"])

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Raw JSONL (one sample per line, see decode.py) -> a nanovlm dataset directory (shards + index.json).
+"""Raw JSONL (one sample per line, see decode.py) -> a nanovlm dataset directory (shards + index).
 
     python scripts/prepare_data.py --input raw/train.jsonl --out data/{{ cookiecutter.package_name }}/train --build-tokenizer
 
@@ -22,6 +22,7 @@ sys.path.insert(0, str(ROOT))
 from nanovlm.cli.prepare_data import Report  # noqa: E402
 from nanovlm.config import image_token_count, load_config  # noqa: E402
 from nanovlm.data.format import Record, SampleError  # noqa: E402
+from nanovlm.data.index import remove_index  # noqa: E402
 from nanovlm.data.prepare import write_dataset  # noqa: E402
 from nanovlm.data.tokenizer import build_tokenizer, load_tokenizer  # noqa: E402
 
@@ -82,7 +83,7 @@ def prepare(input_path: Path, out_dir: Path, overrides: list[str], build: bool) 
     report.written = index.num_samples
     report.write_rejected(out_dir)
     if report.written == 0:
-        (out_dir / "index.json").unlink(missing_ok=True)  # not a dataset: training would plan nothing
+        remove_index(out_dir)  # not a dataset: training would plan nothing
     return report
 
 
