@@ -4,6 +4,7 @@
     python scripts/benchmark.py --json runs/bench/full.json --plot docs/fill.png  # the numbers in docs/performance.md
     python scripts/benchmark.py --sections packing --index data/my_set/train     # packing on your own data
     python scripts/benchmark.py --sections train --device cuda --preset model_222m.yaml
+    python scripts/benchmark.py --sections scale --workdir /big/disk   # 1M / 10M / 100M-sample indexes (~6 GB)
 
 Every figure goes to ``--json``; a markdown report is printed (and written to ``--markdown``).
 Warm-up is excluded, inputs and seeds are fixed, each timing is repeated ``--reps`` times (median and
@@ -20,14 +21,18 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import machine_description
+from benchmarks.scale import parse_size
 
-SECTIONS = ("packing", "pipeline", "train", "resume")
+SECTIONS = ("packing", "pipeline", "train", "resume", "scale")
+DEFAULT_SECTIONS = SECTIONS[:4]  # scale writes GBs of synthetic index: asked for by name
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="small sizes: the whole suite in under 2 minutes on 2 cores")
-    p.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated subset of {','.join(SECTIONS)}")
+    p.add_argument(
+        "--sections", default=",".join(DEFAULT_SECTIONS), help=f"comma-separated subset of {','.join(SECTIONS)}"
+    )
     p.add_argument("--json", metavar="PATH", help="write every figure as JSON here")
     p.add_argument("--markdown", metavar="PATH", help="also write the markdown report here")
     p.add_argument("--plot", metavar="PATH", help="write the fill-per-strategy plot (PNG) here")
@@ -70,6 +75,16 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="torch.compile each transformer block (trainer.compile) in the train section",
     )
+    p.add_argument(
+        "--scale-sizes", default="", help="scale section: index sizes, e.g. 1M,10M,100M (default; 100k with --quick)"
+    )
+    p.add_argument(
+        "--scale-plan-max",
+        type=parse_size,
+        default="10M",
+        help="scale section: largest index to plan the epoch for (above it the plan does not fit this machine)",
+    )
+    p.add_argument("--real-shards", default="", help="scale section: shards to time prepare_data on (default: demo)")
     p.add_argument("--workdir", default="runs/bench", help="scratch directory (demo data copies, checkpoints)")
     p.add_argument("--seed", type=int, default=0)
     return p
@@ -177,6 +192,11 @@ def run_section(name: str, args: argparse.Namespace) -> tuple[dict[str, Any], st
 
         result = resume.measure(args, log=_log)
         return result.to_json(), report.render_resume(result)
+    if name == "scale":
+        from benchmarks import scale
+
+        result = scale.measure(args, log=_log)
+        return result.to_json(), report.render_scale(result)
     raise AssertionError(name)
 
 

@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from benchmarks.packing import PackingResult
     from benchmarks.pipeline import PipelineResult
     from benchmarks.resume import ResumeResult
+    from benchmarks.scale import ScaleResult
     from benchmarks.train import TrainResult
 
 
@@ -312,6 +313,35 @@ def render_resume(result: ResumeResult) -> str:
         f"Late vs fresh (data s): {100 * result.growth:+.0f}% (target: no growth with position, within 25% or 0.1 s "
         f"of timer noise: {_met(result.target_met)}).",
     ]
+    return "\n".join(md)
+
+
+def render_scale(result: ScaleResult) -> str:
+    md = ["## Scale", ""]
+    md.append(
+        "Per process, before its first read, for 64 ranks x 8 workers and 8,192-token packs (synthetic index, "
+        "1,000 shards, one image per sample). *plan s*: today's whole-epoch plan (every process plans every slot); "
+        "*elastic s*: re-planning a half-consumed epoch onto 48 x 8. PSS from /proc/self/smaps_rollup: *own* = "
+        "anonymous pages, *mapped* = the index columns' file pages (shared by every process of a node); *worker* = "
+        "a process forked from it that reads the length columns."
+    )
+    rows = []
+    for r in result.rows:
+        pss, worker = r["pss_mb"], r["worker_pss_mb"]
+        plan = [f"{r['plan_s']:.1f}", f"{r['elastic_plan_s']:.1f}"] if "plan_s" in r else ["not run", "not run"]
+        rows.append(
+            [f"{r['n']:,}", f"{r['open_s'] * 1e3:.0f}", f"{r['table_s']:.2f}", *plan,
+             f"{pss.get('Pss_Anon', 0):.0f}", f"{pss.get('Pss_File', 0):.0f}", f"{worker.get('Pss_Anon', 0):.0f}",
+             f"{r['peak_rss_mb']:.0f}", f"{r['index_bytes'] / 2**30:.2f}"]
+        )  # fmt: skip
+    headers = ["samples", "open ms", "table s", "plan s", "elastic s", "own PSS MB", "mapped PSS MB",
+               "worker own PSS MB", "peak RSS MB", "index GiB"]  # fmt: skip
+    md += ["", markdown_table(headers, rows)]
+    p = result.prepare
+    if p:
+        md += ["", f"prepare_data index-only on {p['shards']} ({p['n_shards']} shards), per-shard work in one process: "
+               f"{p['decode_samples_per_s']:.0f} samples/s per core decoding every image (`--image-check decode`), "
+               f"{p['header_samples_per_s']:.0f} reading image headers only (`--image-check header`)."]  # fmt: skip
     return "\n".join(md)
 
 

@@ -18,6 +18,7 @@ from benchmarks.distributions import LengthSet, from_index, lognormal, mixture
 from benchmarks.packing import plan_metrics, run_cell
 from benchmarks.train import HEAD_EVERYWHERE
 from nanovlm.config import load_config
+from nanovlm.data.index import load_index
 from nanovlm.data.tokenizer import load_tokenizer
 from nanovlm.model import build_model, num_parameters
 
@@ -212,3 +213,20 @@ def test_quick_all_sections(tmp_path, make_dataset, tiny_tokenizer):
     resume = doc["sections"]["resume"]["results"]
     assert [resume[k]["position"] for k in ("fresh", "early", "mid", "late")][0] == 0
 
+
+def test_scale_section_measures_a_synthetic_index(tmp_path, make_dataset, tiny_tokenizer):
+    """The scale section writes its synthetic index once, plans it in a child process, measures PSS, and times
+    prepare_data on the given shards."""
+    make_dataset(tmp_path / "ds", 40, samples_per_shard=20)
+    tiny_tokenizer.save_pretrained(str(tmp_path / "tok"))
+    out = tmp_path / "s.json"
+    args = ["--quick", "--sections", "scale", "--scale-sizes", "20k", "--real-shards", str(tmp_path / "ds")]
+    args += ["--tokenizer", str(tmp_path / "tok"), "--workdir", str(tmp_path / "wd"), "--json", str(out)]
+    assert main(args) == 0
+    doc = json.loads(out.read_text())["sections"]["scale"]
+    (row,) = doc["rows"]
+    assert row["n"] == 20_000 and row["packs_per_slot"] >= 1 and row["index_bytes"] > 20_000 * 40
+    assert row["pss_mb"]["Pss"] > 0 and row["worker_pss_mb"]["Pss"] > 0
+    assert doc["prepare"]["n_shards"] == 2 and doc["prepare"]["header_samples_per_s"] > 0
+    idx = load_index(tmp_path / "wd" / "scale" / "20000")
+    assert idx.num_samples == 20_000 and idx.key(19_999) == "s00000019999"

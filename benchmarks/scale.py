@@ -1,0 +1,198 @@
+"""Scale: what a process pays before its first read as the dataset grows, and the memory it holds.
+
+For each size, a synthetic index (lognormal text lengths, one image per sample, 1,000 shards) is written once
+into ``--workdir/scale/<n>`` and reused; its shards are sparse files of the recorded size (the index checks
+stat them, planning never reads them). A fresh child process per size then times, as a training rank does:
+
+* opening the index (``load_index``: meta.json, every column mapped and checked),
+* building the sample table (the length columns for the run's model),
+* the epoch plan for 64 ranks x 8 workers (fresh), and the elastic re-plan of a half-consumed epoch onto
+  48 x 8; the plan is skipped above ``--scale-plan-max`` samples, where it would not fit this machine,
+
+and reports its proportional set size (PSS, ``/proc/self/smaps_rollup``) split into anonymous memory (its own)
+and file-backed pages (the mapped columns, shared by every process of a node), plus the PSS of a process
+forked from it that touches the length columns (a DataLoader worker). Separately, ``prepare_data`` in
+index-only mode is timed on real shards in one process (samples/s per core), decoding every image and reading
+headers only (``--image-check``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+N_SHARDS = 1000
+KEY_WIDTH = 12  # "s" + 11 digits
+
+
+def parse_size(text: str) -> int:
+    """``100k``, ``1M``, ``1e6`` or ``250000`` -> samples."""
+    t = text.strip().lower()
+    mult = {"k": 1_000, "m": 1_000_000}.get(t[-1:], 1)
+    return int(float(t[:-1] if mult > 1 else t) * mult)
+
+
+def make_index(directory: Path, n: int, seed: int = 0, chunk: int = 1 << 22) -> None:
+    """Write a synthetic index of ``n`` samples over ``N_SHARDS`` sparse shard files (once; reused after)."""
+    from nanovlm.data.index import COLUMNS, DatasetIndex, ShardEntry
+
+    if (directory / "index" / "meta.json").is_file():
+        return
+    build = directory / ".build"
+    build.mkdir(parents=True, exist_ok=True)
+    rows = {"samples": (n,), "images": (n, 2), "key_bytes": (n * KEY_WIDTH,)}
+    cols = {
+        name: np.lib.format.open_memmap(build / f"{name}.npy", "w+", np.dtype(dt), rows[kind])
+        for name, (dt, kind) in COLUMNS.items()
+    }
+    per_shard = -(-n // N_SHARDS)
+    rng = np.random.default_rng(seed)
+    for lo in range(0, n, chunk):
+        hi = min(n, lo + chunk)
+        i = np.arange(lo, hi)
+        text = np.clip(rng.lognormal(5.0, 0.9, hi - lo), 8, 6000).astype(np.int32)
+        nbytes = (2 + (text // 200)) * 512 + 60 * 1024  # a ~60 KB image plus the json member
+        cols["text_tokens"][lo:hi], cols["nbytes"][lo:hi] = text, nbytes
+        cols["n_images"][lo:hi], cols["prompt_images"][lo:hi] = 1, 1
+        cols["prompt_tokens"][lo:hi] = np.minimum(text, 24)
+        cols["image_sizes"][lo:hi] = (640, 480)
+        cols["key_ends"][lo:hi] = (i + 1) * KEY_WIDTH
+        digits = (i[:, None] // 10 ** np.arange(KEY_WIDTH - 2, -1, -1)) % 10 + ord("0")
+        keys = np.concatenate([np.full((hi - lo, 1), ord("s")), digits], axis=1).astype(np.uint8)
+        cols["keys"][lo * KEY_WIDTH : hi * KEY_WIDTH] = keys.reshape(-1)
+    shards = []
+    for s, lo in enumerate(range(0, n, per_shard)):
+        hi = min(n, lo + per_shard)
+        ends = np.cumsum(cols["nbytes"][lo:hi], dtype=np.int64)
+        cols["offset"][lo:hi] = ends - cols["nbytes"][lo:hi]
+        name = f"shard-{s:06d}.tar"
+        with open(directory / name, "wb") as f:
+            f.truncate(int(ends[-1]) + 1024)  # sparse: no blocks on disk
+        shards.append(ShardEntry(name, int(ends[-1]) + 1024, hi - lo))
+    DatasetIndex(directory, "synthetic", 64, "benchmarks/scale.py", shards, cols).save()
+    del cols
+    for f in build.iterdir():
+        f.unlink()
+    build.rmdir()
+
+
+def _pss() -> dict[str, float]:
+    """This process's PSS in MB: total, anonymous (its own heap) and file-backed (mapped files, shared)."""
+    out = {}
+    with open("/proc/self/smaps_rollup") as f:
+        for line in f:
+            name, _, rest = line.partition(":")
+            if name in ("Pss", "Pss_Anon", "Pss_File", "Pss_Shmem"):
+                out[name] = int(rest.split()[0]) / 1024.0
+    return out
+
+
+def child(directory: str, plan_max: int) -> dict[str, Any]:
+    """The measurement of one size, run in a fresh process (``python -m benchmarks.scale DIR PLAN_MAX``)."""
+    from nanovlm.data.index import load_index
+    from nanovlm.data.shards import ConsumedPart, PackSpec, SampleTable, Topology, build_epoch_plan
+
+    t0 = time.perf_counter()
+    idx = load_index(directory)
+    t_open = time.perf_counter()
+    table = SampleTable.from_indexes([(directory, idx)], image_token_count=64)
+    t_table = time.perf_counter()
+    out: dict[str, Any] = {"n": len(table), "open_s": t_open - t0, "table_s": t_table - t_open}
+    spec = PackSpec(max_tokens=8192, max_images=64)
+    if len(table) <= plan_max:
+        plan = build_epoch_plan(table, spec, Topology(64, 8), seed=0, epoch=0)
+        t_plan = time.perf_counter()
+        half = ConsumedPart(64, 8, plan.batches_per_rank() // 2)
+        build_epoch_plan(table, spec, Topology(48, 8), seed=0, epoch=0, history=[half])
+        out |= {"plan_s": t_plan - t_table, "elastic_plan_s": time.perf_counter() - t_plan}
+        out["packs_per_slot"] = plan.packs_per_slot
+        del plan
+    out["pss_mb"] = _pss()
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # a forked DataLoader worker: reads the length columns, reports its own PSS
+        int(table.length.sum()) + int(table.n_images.sum())
+        os.write(write, json.dumps(_pss()).encode())
+        os._exit(0)
+    os.close(write)
+    with os.fdopen(read) as f:
+        out["worker_pss_mb"] = json.loads(f.read())
+    os.waitpid(pid, 0)
+    out["peak_rss_mb"] = _status_mb("VmHWM")
+    return out
+
+
+def _status_mb(field: str) -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024.0
+    return 0.0
+
+
+@dataclass
+class ScaleResult:
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    prepare: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"rows": self.rows, "prepare": self.prepare}
+
+
+def measure_prepare(shards_dir: Path, tokenizer: str, log, min_seconds: float = 3.0) -> dict[str, Any]:
+    """``prepare_data`` index-only on real shards: samples/s per core of its per-shard work (one process, shards
+    indexed again until ``min_seconds`` have passed), with every image decoded and with headers only."""
+    from nanovlm.cli import prepare_data
+
+    shards = sorted(str(p) for p in shards_dir.iterdir() if p.name.endswith(".tar"))
+    out: dict[str, Any] = {"shards": str(shards_dir), "n_shards": len(shards)}
+    for check in ("decode", "header"):
+        prepare_data._init_worker(tokenizer, 0, False, check == "decode")
+        prepare_data._shard_work(shards[0])  # warm-up: imports, page cache
+        n, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < min_seconds:
+            for path in shards:
+                n += len(prepare_data._shard_work(path)["rows"]["keys"])
+        rate = n / (time.perf_counter() - t0)
+        out[f"{check}_samples_per_s"] = rate
+        log(f"[scale] prepare_data index-only, --image-check {check}: {rate:.0f} samples/s per core")
+    return out
+
+
+def measure(args: argparse.Namespace, log) -> ScaleResult:
+    sizes = [parse_size(s) for s in (args.scale_sizes or ("100k" if args.quick else "1M,10M,100M")).split(",")]
+    result = ScaleResult()
+    for n in sizes:
+        directory = Path(args.workdir) / "scale" / str(n)
+        t0 = time.perf_counter()
+        make_index(directory, n, args.seed)
+        log(f"[scale] index of {n:,} samples ready in {time.perf_counter() - t0:.1f} s")
+        cmd = [sys.executable, "-m", "benchmarks.scale", str(directory), str(args.scale_plan_max)]
+        proc = subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True, text=True)
+        row = json.loads(proc.stdout.strip().splitlines()[-1])
+        row["index_bytes"] = sum(f.stat().st_size for f in (directory / "index").iterdir())
+        result.rows.append(row)
+        log(f"[scale] {n:,}: {row}")
+    from benchmarks.workloads import bench_config, demo_dirs
+
+    if args.real_shards:
+        shards, tokenizer = Path(args.real_shards), args.tokenizer or bench_config(args).data.tokenizer
+    else:
+        train, tokenizer = demo_dirs(bench_config(args))
+        shards = Path(train[0])
+    result.prepare = measure_prepare(shards, tokenizer, log, 1.0 if args.quick else 3.0)
+    return result
+
+
+if __name__ == "__main__":
+    print(json.dumps(child(sys.argv[1], int(sys.argv[2]))))
