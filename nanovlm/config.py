@@ -74,6 +74,7 @@ class ModelConfig:
     init_std: float = 0.02  # std of the normal init of linear and token weights (see NanoVLM.init_weights)
     vision_checkpoint: str | None = None  # transformers SigLIP checkpoint (hub id or dir) to load; None = random
     language_checkpoint: str | None = None  # transformers Llama/SmolLM2 checkpoint to load; None = random
+    vlm_checkpoint: str | None = None  # transformers Idefics3/SmolVLM checkpoint: every weight (not with the two above)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -410,6 +411,7 @@ def _expand_home(cfg: Config) -> None:
     d.train, d.val = [home(p) for p in d.train], [home(p) for p in d.val]
     d.tokenizer, t.run_dir, c.dir, c.init_from = home(d.tokenizer), home(t.run_dir), home(c.dir), home(c.init_from)
     m.vision_checkpoint, m.language_checkpoint = home(m.vision_checkpoint), home(m.language_checkpoint)
+    m.vlm_checkpoint = home(m.vlm_checkpoint)
     if c.resume not in ("auto", "none"):
         c.resume = home(c.resume)
 

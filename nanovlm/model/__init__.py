@@ -22,6 +22,7 @@ from nanovlm.model.pretrained import (
     check_tokenizer,
     load_language_weights,
     load_vision_weights,
+    load_vlm_weights,
 )
 from nanovlm.model.vlm import NanoVLM
 
@@ -61,19 +62,23 @@ def build_model(model_cfg: ModelConfig, tokenizer) -> NanoVLM:
             f"the tokenizer has no {IMAGE_TOKEN} token; load it with nanovlm.data.tokenizer.load_tokenizer, which adds it"
         )
     model = NanoVLM(model_cfg, resolve_vocab_size(model_cfg, tokenizer), image_token_id)
-    problems = []  # both checkpoints are checked before failing: one run shows every fix to make
+    if model_cfg.vlm_checkpoint and (model_cfg.vision_checkpoint or model_cfg.language_checkpoint):
+        raise ValueError("model.vlm_checkpoint loads every weight: leave model.vision_checkpoint and "
+                         "model.language_checkpoint null with it")  # fmt: skip
+    problems = []  # every checkpoint is checked before failing: one run shows every fix to make
     for checkpoint, load, part in (
         (model_cfg.vision_checkpoint, load_vision_weights, model.vision),
         (model_cfg.language_checkpoint, load_language_weights, model.language),
+        (model_cfg.vlm_checkpoint, load_vlm_weights, model),
     ):
         if checkpoint:
             try:
                 load(part, checkpoint)
             except CheckpointMismatchError as e:
                 problems.append(str(e))
-    if model_cfg.language_checkpoint:
+    if model_cfg.language_checkpoint or model_cfg.vlm_checkpoint:
         try:
-            check_tokenizer(tokenizer, model_cfg.language_checkpoint)
+            check_tokenizer(tokenizer, model_cfg.language_checkpoint or model_cfg.vlm_checkpoint)
         except CheckpointMismatchError as e:
             problems.append(str(e))
     if problems:

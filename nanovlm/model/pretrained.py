@@ -1,8 +1,9 @@
-"""Load pretrained SigLIP (vision) and Llama / SmolLM2 (language) weights from transformers checkpoints.
+"""Load pretrained SigLIP (vision), Llama / SmolLM2 (language) or whole Idefics3 / SmolVLM weights from
+transformers checkpoints.
 
 A checkpoint is a local directory written by ``save_pretrained`` or a hub id (downloaded with
 huggingface_hub; needs network, so it is opt-in by config: ``model.vision_checkpoint`` /
-``model.language_checkpoint``). The checkpoint's config is compared with ours first (sizes, heads, eps,
+``model.language_checkpoint``, or ``model.vlm_checkpoint`` for all of it). The checkpoint's config is compared with ours first (sizes, heads, eps,
 RoPE base, activation), then every tensor is mapped by name and shape-checked; any mismatch fails with one
 error listing all of them. Load before wrapping the model with FSDP.
 
@@ -16,6 +17,8 @@ Name maps (ours -> transformers):
               layers.{i}.*                model.layers.{i}.*          (same sub-names)
               norm.weight                 model.norm.weight
               lm_head.weight              lm_head.weight (untied heads only)
+    VLM       vision.* / language.*       model.vision_model.* / model.text_model.* (as above), lm_head.weight
+              projector.proj.weight       model.connector.modality_projection.proj.weight
 """
 
 from __future__ import annotations
@@ -83,8 +86,9 @@ def _find_prefix(state: dict[str, torch.Tensor], anchor: str, skip: tuple[str, .
 
 # transformers model_type values whose architecture our modules reproduce (Mistral without a sliding window is
 # Llama's architecture; SmolLM2 checkpoints say "llama").
-VISION_MODEL_TYPES = ("siglip", "siglip_vision_model")
+VISION_MODEL_TYPES = ("siglip", "siglip_vision_model", "idefics3_vision", "smolvlm_vision")
 LANGUAGE_MODEL_TYPES = ("llama", "mistral")
+VLM_MODEL_TYPES = ("idefics3", "smolvlm")  # SigLIP-style ViT + pixel-shuffle connector + Llama decoder: ours
 
 
 def _check_model_type(kind: str, where: str, hf, allowed: tuple[str, ...]) -> None:
@@ -171,6 +175,32 @@ def _fused_names(name: str) -> str | tuple[str, ...]:
 
 
 # ----------------------------------------------------------------------------------------------------------
+# name maps (the loaders and export.py read the same ones)
+
+
+def vision_names(vision: nn.Module, prefix: str) -> dict[str, str | tuple[str, ...]]:
+    """Our vision parameter -> the checkpoint name(s) under ``prefix`` (fused q/k/v: three names)."""
+    mapping = {}
+    for name, _ in vision.named_parameters():
+        if name.startswith(("patch_embedding.", "position_embedding.")):
+            theirs = f"{prefix}embeddings.{name}"
+        elif name.startswith("blocks."):
+            theirs = f"{prefix}encoder.layers.{name[len('blocks.') :]}"
+        else:
+            theirs = prefix + name
+        mapping[name] = _fused_names(theirs)
+    return mapping
+
+
+def language_names(language: nn.Module, prefix: str) -> dict[str, str | tuple[str, ...]]:
+    """Our decoder parameter -> the checkpoint name(s); a tied lm_head is not listed (it is embed_tokens)."""
+    return {
+        name: "lm_head.weight" if name == "lm_head.weight" else _fused_names(prefix + name)
+        for name, _ in language.named_parameters()
+    }
+
+
+# ----------------------------------------------------------------------------------------------------------
 # vision
 
 
@@ -180,7 +210,10 @@ def load_vision_weights(vision: nn.Module, name_or_path: str) -> None:
 
     directory = resolve_checkpoint(name_or_path)
     hf = AutoConfig.from_pretrained(directory)
-    hf = getattr(hf, "vision_config", hf)
+    _load_vision(vision, getattr(hf, "vision_config", hf), read_state_dict(directory), name_or_path)
+
+
+def _load_vision(vision: nn.Module, hf, state: dict[str, torch.Tensor], name_or_path: str) -> None:
     cfg = vision.cfg
     _check_model_type("vision", name_or_path, hf, VISION_MODEL_TYPES)
     _check_config(
@@ -198,17 +231,8 @@ def load_vision_weights(vision: nn.Module, name_or_path: str) -> None:
         },
         "Set model.vision.* to the checkpoint's values (configs/model_222m.yaml fits google/siglip-base-patch16-224).",
     )
-    state = read_state_dict(directory)
     prefix = _find_prefix(state, "embeddings.patch_embedding.weight", skip=("text_model.",))
-    mapping = {}
-    for name, _ in vision.named_parameters():
-        if name.startswith(("patch_embedding.", "position_embedding.")):
-            theirs = f"{prefix}embeddings.{name}"
-        elif name.startswith("blocks."):
-            theirs = f"{prefix}encoder.layers.{name[len('blocks.') :]}"
-        else:
-            theirs = prefix + name
-        mapping[name] = _fused_names(theirs)
+    mapping = vision_names(vision, prefix)
     # SigLIP's pooling head ("head.*") is not used: the projector reads every patch
     _copy(vision, mapping, state, "vision", name_or_path, unused_scope=prefix, ignore=(f"{prefix}head.",))
     log.info("loaded vision weights from %s (%d tensors)", name_or_path, _n_tensors(mapping))
@@ -218,9 +242,8 @@ def load_vision_weights(vision: nn.Module, name_or_path: str) -> None:
 # language
 
 
-def _check_language_config(hf, cfg, name_or_path: str) -> None:
+def _check_language_config(hf, cfg, name_or_path: str, tied_ckpt: bool) -> None:
     """Every language config value the checkpoint fixes must equal ours (one error listing the differences)."""
-    tied_ckpt = bool(getattr(hf, "tie_word_embeddings", False))
     # transformers >= 5: rope_parameters (theta and scaling); 4.x: rope_theta + rope_scaling ("rope_type" or "type")
     rope = dict(getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {})
     rope.setdefault("rope_type", rope.get("type", "default"))
@@ -264,12 +287,16 @@ def load_language_weights(language: nn.Module, name_or_path: str) -> None:
 
     directory = resolve_checkpoint(name_or_path)
     hf = AutoConfig.from_pretrained(directory)
+    tied_ckpt = bool(getattr(hf, "tie_word_embeddings", False))
     if not hasattr(hf, "num_key_value_heads") and hasattr(hf, "text_config"):  # a composite config
         hf = hf.text_config
+    _load_language(language, hf, read_state_dict(directory), name_or_path, tied_ckpt)
+
+
+def _load_language(language: nn.Module, hf, state: dict[str, torch.Tensor], name_or_path: str, tied_ckpt: bool):
     cfg = language.cfg
     _check_model_type("language", name_or_path, hf, LANGUAGE_MODEL_TYPES)
-    tied_ckpt = bool(getattr(hf, "tie_word_embeddings", False))
-    _check_language_config(hf, cfg, name_or_path)
+    _check_language_config(hf, cfg, name_or_path, tied_ckpt)
     ckpt_positions = getattr(hf, "max_position_embeddings", None)
     if ckpt_positions and cfg.max_position_embeddings > ckpt_positions:
         log.warning(
@@ -280,11 +307,8 @@ def load_language_weights(language: nn.Module, name_or_path: str) -> None:
             ckpt_positions,
             ckpt_positions,
         )
-    state = read_state_dict(directory)
     prefix = _find_prefix(state, "embed_tokens.weight")
-    mapping = {}
-    for name, _ in language.named_parameters():  # tied lm_head.weight is not listed (shared with embed_tokens)
-        mapping[name] = "lm_head.weight" if name == "lm_head.weight" else _fused_names(prefix + name)
+    mapping = language_names(language, prefix)
     if "lm_head.weight" in mapping and tied_ckpt:
         mapping["lm_head.weight"] = prefix + "embed_tokens.weight"  # untied head initialised from tied weights
     _copy(
@@ -304,6 +328,59 @@ def load_language_weights(language: nn.Module, name_or_path: str) -> None:
         _n_tensors(mapping),
         n_ckpt,
         language.vocab_size,
+    )
+
+
+# ----------------------------------------------------------------------------------------------------------
+# a whole VLM: Idefics3 / SmolVLM
+
+CONNECTOR_WEIGHT = "model.connector.modality_projection.proj.weight"
+
+
+def load_vlm_weights(model: nn.Module, name_or_path: str) -> None:
+    """Load a transformers Idefics3 / SmolVLM checkpoint (Idefics3ForConditionalGeneration) into a NanoVLM:
+    vision tower, connector, decoder and LM head. The architectures are the same (a SigLIP ViT, the same pixel
+    shuffle, one bias-free linear map, a Llama decoder), so nothing is approximated; every config value the
+    checkpoint fixes is checked and all differences are reported in one error."""
+    from transformers import AutoConfig
+
+    directory = resolve_checkpoint(name_or_path)
+    hf = AutoConfig.from_pretrained(directory)
+    _check_model_type("VLM", name_or_path, hf, VLM_MODEL_TYPES)
+    state = read_state_dict(directory)
+    problems = []
+    for load in (
+        lambda: _check_vlm_config(model, hf, name_or_path),
+        lambda: _load_vision(model.vision, hf.vision_config, state, name_or_path),
+        lambda: _load_language(model.language, hf.text_config, state, name_or_path, bool(hf.tie_word_embeddings)),
+        lambda: _copy(
+            model.projector,
+            {"proj.weight": CONNECTOR_WEIGHT},
+            state,
+            "connector",
+            name_or_path,
+            unused_scope="model.connector.",
+        ),  # fmt: skip
+    ):
+        try:
+            load()
+        except CheckpointMismatchError as e:
+            problems.append(str(e))
+    if problems:
+        raise CheckpointMismatchError("\n".join(problems))
+    log.info("loaded the whole VLM from %s", name_or_path)
+
+
+def _check_vlm_config(model: nn.Module, hf, name_or_path: str) -> None:
+    _check_config(
+        "VLM",
+        name_or_path,
+        {
+            "pixel_shuffle_factor": (hf.scale_factor, model.cfg.projector.pixel_shuffle_factor),
+            "image_token_id": (hf.image_token_id, model.image_token_id),
+        },
+        "Set model.projector.pixel_shuffle_factor to the checkpoint's scale_factor, and prepare the data with the "
+        "checkpoint's tokenizer (data.tokenizer) so that <image> has its id.",
     )
 
 

@@ -334,7 +334,11 @@ def start_summary(cfg: Config, config_files: list[str], trainer: pl.Trainer, mod
     m = cfg.model
     weights = [
         f"{part} from {path}"
-        for part, path in (("vision", m.vision_checkpoint), ("language", m.language_checkpoint))
+        for part, path in (
+            ("vision", m.vision_checkpoint),
+            ("language", m.language_checkpoint),
+            ("all", m.vlm_checkpoint),
+        )
         if path
     ]
     if cfg.checkpoint.init_from:

@@ -310,3 +310,141 @@ def test_a_tokenizer_other_than_the_checkpoints_is_refused(tmp_path, llama_dir):
         r"88 of its 91 tokens have another id",
     ):
         build_model(cfg, other)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# a whole VLM: Idefics3 / SmolVLM in
+
+
+def hf_idefics3(tie: bool = True, image_token_id: int = 100):
+    """A tiny random Idefics3ForConditionalGeneration with VISION / LANGUAGE's shapes (vocabulary 128)."""
+    torch.manual_seed(0)
+    vision = dict(image_size=32, patch_size=8, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                  intermediate_size=64)  # fmt: skip
+    text = transformers.LlamaConfig(**(HF_DECODER | {"vocab_size": 128}), tie_word_embeddings=tie)
+    cfg = transformers.Idefics3Config(
+        vision_config=vision, text_config=text.to_dict(), scale_factor=2, image_token_id=image_token_id,
+        tie_word_embeddings=tie,
+    )  # fmt: skip
+    return transformers.Idefics3ForConditionalGeneration(cfg).eval()
+
+
+@pytest.fixture(scope="module")
+def idefics3_dir(tmp_path_factory):
+    model = hf_idefics3()
+    path = tmp_path_factory.mktemp("idefics3")
+    model.save_pretrained(path)
+    return model, path
+
+
+def vlm_config(**kw) -> ModelConfig:
+    return ModelConfig(vision=VISION, projector=ProjectorConfig(pixel_shuffle_factor=2), language=LANGUAGE,
+                       attn_backend="sdpa", **kw)  # fmt: skip
+
+
+def _sample(g: torch.Generator, n_images: int, n_text: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """input_ids [T] (text with n_images runs of 4 <image> ids) and uint8 pixels [n_images, 3, 32, 32]."""
+    parts = []
+    for _ in range(n_images):
+        parts += [torch.randint(0, 100, (n_text,), generator=g), torch.full((4,), 100)]
+    parts.append(torch.randint(0, 100, (n_text,), generator=g))
+    return torch.cat(parts), torch.randint(0, 256, (n_images, 3, 32, 32), dtype=torch.uint8, generator=g)
+
+
+def hf_logits(hf, ids: torch.Tensor, pixels: torch.Tensor) -> torch.Tensor:
+    """transformers' logits [T, V] for one sample, its images normalised as our model normalises them."""
+    pixel_values = ((pixels.float() / 255 - 0.5) / 0.5)[None] if len(pixels) else None
+    with torch.no_grad():
+        return hf(input_ids=ids[None], pixel_values=pixel_values).logits[0]
+
+
+def packed_logits(model, samples) -> list[torch.Tensor]:
+    """Our logits for samples packed into one row, split back per sample."""
+    lens = [len(ids) for ids, _ in samples]
+    batch = {
+        "input_ids": torch.cat([ids for ids, _ in samples])[None],
+        "position_ids": torch.cat([torch.arange(n) for n in lens])[None],
+        "cu_seqlens": torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32),
+        "max_seqlen": max(lens),
+        "pixel_values": torch.cat([px for _, px in samples]),
+    }
+    with torch.no_grad():
+        return list(model(batch)["logits"][0].split(lens))
+
+
+def test_whole_idefics3_loads_with_equal_logits_alone_and_packed(idefics3_dir):
+    hf, path = idefics3_dir
+    model = build_model(vlm_config(vlm_checkpoint=str(path)), word_tokenizer(100)).eval()
+    g = torch.Generator().manual_seed(7)
+    samples = [_sample(g, 1, 5), _sample(g, 2, 3), _sample(g, 0, 9)]
+    for got, (ids, px) in zip(packed_logits(model, samples), samples):
+        torch.testing.assert_close(got, hf_logits(hf, ids, px), atol=1e-5, rtol=1e-5)
+
+
+def test_idefics3_checkpoint_that_does_not_fit_lists_every_difference(idefics3_dir, tmp_path):
+    _, path = idefics3_dir
+    wrong = vlm_config(vlm_checkpoint=str(path))
+    wrong.projector.pixel_shuffle_factor = 4
+    wrong.vision = copy.deepcopy(VISION)
+    wrong.vision.num_layers = 3
+    with pytest.raises(CheckpointMismatchError) as e:
+        build_model(wrong, word_tokenizer(100))
+    assert "pixel_shuffle_factor: checkpoint 2 vs config 4" in str(e.value)
+    assert "num_layers: checkpoint 2 vs config 3" in str(e.value)  # the vision tower, in the same error
+    other_id = hf_idefics3(image_token_id=99)
+    other_id.save_pretrained(tmp_path / "other")
+    with pytest.raises(CheckpointMismatchError, match="image_token_id: checkpoint 99 vs config 100"):
+        build_model(vlm_config(vlm_checkpoint=str(tmp_path / "other")), word_tokenizer(100))
+    _resave(path, tmp_path / "no_connector", edit_state=lambda s: s.pop(CONNECTOR))
+    with pytest.raises(CheckpointMismatchError, match=f"missing tensor '{CONNECTOR}'"):
+        build_model(vlm_config(vlm_checkpoint=str(tmp_path / "no_connector")), word_tokenizer(100))
+    with pytest.raises(ValueError, match="leave model.vision_checkpoint"):
+        build_model(vlm_config(vlm_checkpoint=str(path), vision_checkpoint=str(path)), word_tokenizer(100))
+
+
+CONNECTOR = "model.connector.modality_projection.proj.weight"
+
+
+# ----------------------------------------------------------------------------------------------------------
+# and back out: export to transformers
+
+
+def test_round_trip_idefics3_in_train_export_back_equal_logits_and_generation(idefics3_dir, tmp_path):
+    """transformers -> ours -> a few optimizer steps -> export -> transformers: the reloaded model's logits equal
+    ours (each sample alone vs packed), and greedy generation gives the same tokens."""
+    from nanovlm.model.export import export_idefics3
+
+    _, path = idefics3_dir
+    tok = word_tokenizer(100)
+    tok.pad_token, tok.eos_token = "<unk>", "w1"
+    model = build_model(vlm_config(vlm_checkpoint=str(path)), tok)
+    g = torch.Generator().manual_seed(8)
+    samples = [_sample(g, 1, 6), _sample(g, 2, 4)]
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for _ in range(3):  # the weights move away from the checkpoint's
+        ids = torch.cat([s[0] for s in samples])[None]
+        lens = [len(s[0]) for s in samples]
+        batch = {
+            "input_ids": ids,
+            "labels": ids,
+            "position_ids": torch.cat([torch.arange(n) for n in lens])[None],
+            "cu_seqlens": torch.tensor([0, lens[0], sum(lens)], dtype=torch.int32),
+            "max_seqlen": max(lens),
+            "pixel_values": torch.cat([s[1] for s in samples]),
+        }
+        model(batch)["loss"].backward()
+        opt.step()
+        opt.zero_grad()
+    model.eval()
+    out = export_idefics3(model, tok, tmp_path / "exported")
+    back = transformers.Idefics3ForConditionalGeneration.from_pretrained(out).eval()
+    moved = back.model.connector.modality_projection.proj.weight
+    assert not torch.equal(moved, transformers.Idefics3ForConditionalGeneration.from_pretrained(path).model.connector.modality_projection.proj.weight)  # fmt: skip
+    for got, (ids, px) in zip(packed_logits(model, samples), samples):
+        torch.testing.assert_close(got, hf_logits(back, ids, px), atol=1e-5, rtol=1e-5)
+    ids, px = samples[0]
+    with torch.no_grad():
+        ours = model.generate(ids[None], px, max_new_tokens=6, eos_token_id=-1)[0]
+        theirs = back.generate(input_ids=ids[None], pixel_values=((px.float() / 255 - 0.5) / 0.5)[None],
+                               max_new_tokens=6, do_sample=False, eos_token_id=None)[0, len(ids):]  # fmt: skip
+    assert ours.tolist() == theirs.tolist()
