@@ -79,8 +79,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--image-check",
         choices=("decode", "header"),
         default="decode",
-        help="index-only: decode every image (default) or read only its header, ~20x faster; an image damaged past "
-        "its header is then skipped and counted when training reads it",
+        help="index-only (--input DIR): decode every image (default) or read only its header, ~15x faster; an image "
+        "damaged past its header is then skipped and counted when training reads it",
     )
     p.add_argument("--allow-absolute-paths", action="store_true", help="accept absolute image paths in JSONL lines")
     return p.parse_args(argv)  # fmt: skip
@@ -120,72 +120,11 @@ def _jsonl_work(task: tuple) -> tuple:
         return ("skip", key, source, e.reason, e.detail)
 
 
-_IN_MEMORY_MAX = 1 << 30  # shards up to this size are read whole and scanned in memory (the fast path)
+def _shard_work(path: str):
+    """Index one existing shard (``reindex.index_shard``) with this worker's processor and settings."""
+    from nanovlm.data.reindex import index_shard
 
-
-def _shard_work(path: str) -> dict:
-    """Index one existing shard -> {"rows": ShardIndex fields as lists, "skips": [[key, source, reason, detail]]}.
-
-    A damaged tar keeps the samples before the damage; the rest of the shard is one ``corrupt_shard`` skip."""
-    import tarfile
-
-    from nanovlm.data.format import SampleError
-    from nanovlm.data.prepare import index_tar_sample
-
-    fields = ("keys", "offsets", "nbytes", "text_tokens", "n_images", "image_sizes", "prompt_tokens", "prompt_images")
-    rows: dict[str, list] = {k: [] for k in fields}
-    skips: list[list[str]] = []
-    name = Path(path).name
-    try:
-        for ts, members in _shard_samples(path):
-            try:
-                bad = [d for d in members.values() if isinstance(d, SampleError)]
-                if bad:
-                    raise bad[0]
-                counts, sizes = index_tar_sample(
-                    members, ts.key, _STATE["processor"], _STATE["max_pixels"], _STATE["decode"]
-                )
-            except SampleError as e:
-                skips.append([ts.key, f"{name}@{ts.offset}", e.reason, e.detail])
-                continue
-            values = (ts.key, ts.offset, ts.nbytes, counts[0], len(sizes), sizes, counts[1], counts[2])
-            for k, v in zip(fields, values):
-                rows[k].append(v)
-    except (tarfile.TarError, OSError, EOFError) as e:
-        kept = len(rows["keys"]) + len(skips)
-        detail = (
-            f"{type(e).__name__}: {e}. The {kept} sample(s) before the damage are indexed; everything after it in "
-            "this shard is NOT (not counted above: its samples cannot be read). Rewrite the shard from its source"
-        )
-        skips.append([name, name, "corrupt_shard", detail])
-    return {"rows": rows, "skips": skips}
-
-
-def _shard_samples(path: str) -> Iterator[tuple]:
-    """(TarSample, {suffix: bytes | SampleError}) of each sample of a shard, in order.
-
-    A well-formed shard up to ``_IN_MEMORY_MAX`` is read once and scanned in memory; anything else goes through
-    ``scan_tar``, which raises where the tar breaks after yielding the samples before it."""
-    from nanovlm.data.format import SampleError
-    from nanovlm.data.index import scan_tar
-    from nanovlm.data.reader import scan_bytes
-
-    with open(path, "rb") as f:
-        if os.fstat(f.fileno()).st_size <= _IN_MEMORY_MAX:
-            blob = f.read()
-            samples = scan_bytes(blob)
-            if samples is not None:
-                for ts in samples:
-                    yield ts, {suffix: blob[o : o + n] for suffix, o, n in ts.members}
-                return
-        for ts in scan_tar(path):
-            members: dict = {}
-            for suffix, offset, size in ts.members:
-                f.seek(offset)
-                members[suffix] = f.read(size)
-                if len(members[suffix]) != size:
-                    members[suffix] = SampleError("corrupt_member", ts.key, f"member {suffix} truncated")
-            yield ts, members
+    return index_shard(path, _STATE["processor"], _STATE["max_pixels"], _STATE["decode"])
 
 
 def _results(fn, tasks: Iterator, workers: int, init_args: tuple, chunksize: int = 8) -> Iterator:
@@ -328,20 +267,17 @@ def run_jsonl(args, files: list[Path], out_dir: Path, tok_path: str, fingerprint
     return writer.close()
 
 
-PARTS_DIR = ".index-parts"  # per-shard results of an index-only run, kept until the index is written
-
-
 def run_index_only(args, in_dir: Path, out_dir: Path, tok_path: str, fingerprint: str, itc: int, report: Report):
-    """Index existing shards: one task per shard over ``--workers`` processes, resumable.
+    """Index existing shards: one task per shard over ``--workers`` processes, resumable (``data/reindex.py``).
 
-    Each shard's rows are saved in ``OUT/.index-parts/`` as soon as it is done, stamped with the shard's size
-    and mtime and the settings that decide the rows; a re-run (after a kill) reuses every part whose stamp
-    still matches and indexes only the rest. The index is written once at the end (atomically), then the
-    parts are removed.
+    Each finished shard is kept in ``OUT/.index-parts/``, stamped with the shard's size and mtime and the
+    settings that decide its rows; a re-run (after a kill) reuses every part whose stamp still matches and
+    indexes only the rest. The index is written once at the end (atomically), then the parts are removed.
     """
     from tqdm import tqdm
 
-    from nanovlm.data.index import DatasetIndex, ShardIndex
+    from nanovlm.data.index import DatasetIndex
+    from nanovlm.data.reindex import PARTS_DIR, load_part, merge, save_part
 
     shards = sorted(p for p in in_dir.iterdir() if p.is_file() and p.name.endswith(".tar"))
     if not shards:
@@ -350,56 +286,22 @@ def run_index_only(args, in_dir: Path, out_dir: Path, tok_path: str, fingerprint
     parts.mkdir(parents=True, exist_ok=True)
     settings = [fingerprint, args.max_image_pixels, args.image_check]
     stamps = {str(p): [p.stat().st_size, p.stat().st_mtime_ns, *settings] for p in shards}
-    results = {str(p): r for p in shards if (r := _load_part(parts, p, stamps[str(p)])) is not None}
+    results = {str(p): r for p in shards if (r := load_part(parts, p, stamps[str(p)])) is not None}
     todo = [str(p) for p in shards if str(p) not in results]
     init = (tok_path, args.max_image_pixels, False, args.image_check == "decode")
     with tqdm(total=len(shards), initial=len(results), unit="shard", desc="index", disable=None) as bar:
         for path, res in zip(todo, _results(_shard_work, iter(todo), args.workers, init, chunksize=1)):
             results[path] = res
-            _save_part(parts, Path(path), res | {"stamp": stamps[path]})
+            save_part(parts, Path(path), res, stamps[path])
             bar.update(1)
-    entries, seen = [], set()
-    for path in shards:
-        res = results[str(path)]
-        for skip in res["skips"]:
-            report.skip(*skip)
-        rows = res["rows"]
-        keep = []
-        for i, key in enumerate(rows["keys"]):
-            if key in seen:
-                source = f"{path.name}@{rows['offsets'][i]}"
-                report.skip(key, source, "duplicate_key", "keys must be unique within a dataset")
-                continue
-            seen.add(key)
-            keep.append(i)
-        if keep:
-            picked = {k: [v[i] for i in keep] for k, v in rows.items()}
-            entries.append(ShardIndex(os.path.relpath(path, out_dir), path.stat().st_size, len(keep), **picked))
-        report.written += len(keep)
-    index = DatasetIndex.from_shards(out_dir, fingerprint, itc, "prepare_data (index only)", entries)
+    names = [os.path.relpath(p, out_dir) for p in shards]
+    sizes = [stamps[str(p)][0] for p in shards]  # the bytes that were indexed
+    entries, blocks = merge(names, sizes, [results[str(p)] for p in shards], report.skip)
+    report.written = sum(e.num_samples for e in entries)
+    index = DatasetIndex.from_blocks(out_dir, fingerprint, itc, "prepare_data (index only)", entries, blocks)
     index.save()
     shutil.rmtree(parts, ignore_errors=True)
     return index
-
-
-def _part_path(parts: Path, shard: Path) -> Path:
-    return parts / f"{shard.name}.json"
-
-
-def _load_part(parts: Path, shard: Path, stamp: list) -> dict | None:
-    """A saved shard result, or None when there is none or it was made from other bytes or settings."""
-    try:
-        res = json.loads(_part_path(parts, shard).read_text())
-    except (OSError, ValueError):
-        return None
-    return res if isinstance(res, dict) and res.get("stamp") == stamp else None
-
-
-def _save_part(parts: Path, shard: Path, result: dict) -> None:
-    path = _part_path(parts, shard)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(result, ensure_ascii=False))
-    os.replace(tmp, path)
 
 
 def _resolve_tokenizer(args, cfg) -> str:
@@ -477,6 +379,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.samples_per_shard <= 0 or args.workers <= 0:
         raise SystemExit("error: --samples-per-shard and --workers must be positive")
     inputs, dirs = _check_inputs(args)
+    if args.image_check == "header" and not dirs:
+        raise SystemExit("error: --image-check header is for --input DIR (indexing shards in place); JSONL input is "
+                         "rewritten into shards, so every image is decoded")  # fmt: skip
     from nanovlm.config import ConfigError, image_token_count, load_config
     from nanovlm.data.tokenizer import load_tokenizer, tokenizer_fingerprint
 

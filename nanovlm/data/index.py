@@ -1,14 +1,15 @@
 """The dataset index: per sample, everything planning, reading and resumption need, without opening a tar.
 
 A dataset directory holds its shards and ``index/``: one ``.npy`` file per column plus ``meta.json`` (format in
-docs/internals.md). Columns are memory-mapped, so opening an index of 100M samples costs the same as one of
-100 (the header reads), the processes of a node share one copy in the page cache, and no column is ever turned
-into Python objects: a sample's key is decoded from ``keys.npy`` only when it is asked for. ``.npy`` because
+docs/internals.md). Columns are memory-mapped, so opening an index costs its headers and a few vectorised
+checks (a fraction of a second at 100M samples), the processes of a node share one copy in the page cache, and
+no column is ever turned into Python objects: a sample's key is decoded from ``keys.npy`` only when it is asked for. ``.npy`` because
 numpy maps it with no other dependency and any tool reads it; parquet pages are compressed (not mappable) and
 Arrow IPC would add pyarrow for the same layout.
 
-``DatasetIndex`` is the one reader (``load_index``) and the one writer (``from_shards`` + ``save``); a writer
-builds it from ``ShardIndex`` rows (one shard's fields as lists). Shard ``name`` is a path relative to the
+``DatasetIndex`` is the one reader (``load_index``) and the one writer (``from_shards`` / ``from_blocks`` +
+``save``); a writer builds it from ``ShardIndex`` rows (one shard's fields as lists) or, at scale, from one
+block of numpy columns per shard (``shard_block``). Shard ``name`` is a path relative to the
 dataset directory (``../other/x.tar`` when the shards live elsewhere).
 
 ``scan_tar`` groups a tar's members by sample key and records each sample's byte range, so a reader can seek
@@ -95,6 +96,14 @@ class DatasetIndex:
     columns: dict[str, np.ndarray]
     content_hash: str = ""  # of the columns and shard list: names the data in checkpoints (set by save/load)
     version: int = INDEX_VERSION
+    mapped: bool = False  # the columns are mapped from root/index/ (load_index)
+
+    def __reduce_ex__(self, protocol):
+        """A loaded index travels (to spawned DataLoader workers) as its path and hash, and is mapped again
+        there: pickling the mapped columns would copy them all into every worker."""
+        if not self.mapped:
+            return super().__reduce_ex__(protocol)
+        return _remap, (self.root, self.content_hash)
 
     @property
     def num_samples(self) -> int:
@@ -110,6 +119,9 @@ class DatasetIndex:
         return self.root / s.name
 
     def key(self, i: int) -> str:
+        """Sample ``i``'s key, decoded from the key bytes."""
+        if not 0 <= i < self.num_samples:
+            raise IndexError(f"sample {i} of an index of {self.num_samples}")
         ends = self.columns["key_ends"]
         lo = int(ends[i - 1]) if i > 0 else 0
         return bytes(self.columns["keys"][lo : int(ends[i])]).decode()
@@ -153,37 +165,54 @@ class DatasetIndex:
         shards: Sequence[ShardIndex],
     ) -> DatasetIndex:
         """Build (in memory) from a writer's per-shard rows."""
-        entries = []
-        for s in shards:
-            for f in ("keys", *_ROW_FIELDS, "image_sizes"):
-                if len(getattr(s, f)) != s.num_samples:
-                    raise DatasetIndexError(f"shard {s.name} has {len(getattr(s, f))} {f} for {s.num_samples} samples")
-            entries.append(ShardEntry(s.name, int(s.size_bytes), int(s.num_samples)))
-        cols = {
-            col: np.asarray([v for s in shards for v in getattr(s, f)], COLUMNS[col][0])
-            for f, col in zip(_ROW_FIELDS, _SAMPLE_COLUMNS)
-        }
-        sizes = [wh for s in shards for per in s.image_sizes for wh in per]
-        cols["image_sizes"] = np.asarray(sizes, COLUMNS["image_sizes"][0]).reshape(len(sizes), 2)
-        encoded = [k.encode() for s in shards for k in s.keys]
-        cols["key_ends"] = np.cumsum([len(k) for k in encoded], dtype=np.int64)
-        cols["keys"] = np.frombuffer(b"".join(encoded), np.uint8).copy()
-        cols = {name: np.ascontiguousarray(cols[name], dtype) for name, (dtype, _) in COLUMNS.items()}
-        out = cls(Path(root), tokenizer, image_token_count, created_by, entries, cols)
-        out.content_hash = _content_hash(entries, _column_meta(cols))
+        entries = [ShardEntry(s.name, int(s.size_bytes), int(s.num_samples)) for s in shards]
+        return cls.from_blocks(
+            root, tokenizer, image_token_count, created_by, entries, [shard_block(s) for s in shards]
+        )
+
+    @classmethod
+    def from_blocks(
+        cls,
+        root: str | os.PathLike,
+        tokenizer: str,
+        image_token_count: int,
+        created_by: str,
+        entries: Sequence[ShardEntry],
+        blocks: Sequence[dict[str, np.ndarray]],
+    ) -> DatasetIndex:
+        """Build from one ``shard_block`` per shard: numpy columns, so a large index is never Python objects."""
+        for e, blk in zip(entries, blocks, strict=True):
+            if any(len(blk[c]) != e.num_samples for c in (*_SAMPLE_COLUMNS, "key_ends")):
+                raise DatasetIndexError(f"shard {e.name}: its columns do not all have {e.num_samples} rows")
+        cols = {}
+        for name, (dtype, _) in COLUMNS.items():
+            parts = [np.asarray(blk[name], dtype) for blk in blocks]
+            if name == "key_ends":  # per shard from 0: shift by the key bytes of the shards before
+                shift = np.cumsum([0] + [len(blk["keys"]) for blk in blocks[:-1]], dtype=np.int64)
+                parts = [p + off for p, off in zip(parts, shift)]
+            empty = np.zeros((0, 2) if name == "image_sizes" else 0, dtype)
+            cols[name] = np.ascontiguousarray(np.concatenate(parts) if parts else empty)
+        out = cls(Path(root), tokenizer, image_token_count, created_by, list(entries), cols)
+        out.content_hash = _content_hash(out.shards, _column_meta(cols))
         return out
 
     def save(self) -> Path:
         """Write ``root/index/`` (deterministic bytes) and return it; also sets ``content_hash``.
 
         The columns are written to a temp directory that replaces the old index only when complete, so a crash
-        leaves the old index or none, never a mix (a reader that finds none says how to make one)."""
+        leaves the old index or none, never a mix (a reader that finds none says how to make one; one that maps
+        the columns while they are swapped notices and reads again: ``load_index``)."""
         final = self.root / INDEX_DIR
-        tmp = self.root / f".{INDEX_DIR}.tmp-{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
+        tmp, old = (self.root / f".{INDEX_DIR}.{what}-{os.getpid()}" for what in ("tmp", "old"))
+        for stale in (tmp, old):  # left by a save of this pid that died
+            shutil.rmtree(stale, ignore_errors=True)
         tmp.mkdir(parents=True)
-        for name, (dtype, _) in COLUMNS.items():
-            np.save(tmp / f"{name}.npy", np.ascontiguousarray(self.columns[name], dtype))
+        try:
+            for name, (dtype, _) in COLUMNS.items():
+                np.save(tmp / f"{name}.npy", np.ascontiguousarray(self.columns[name], dtype))
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
         col_meta = _column_meta(self.columns)
         self.content_hash = _content_hash(self.shards, col_meta)
         meta = {
@@ -196,12 +225,32 @@ class DatasetIndex:
             "content_hash": self.content_hash,
         }
         (tmp / META_FILE).write_text(json.dumps(meta, ensure_ascii=False, indent=1) + "\n")
-        old = self.root / f".{INDEX_DIR}.old-{os.getpid()}"
         if final.exists():
             os.replace(final, old)
         os.replace(tmp, final)
         shutil.rmtree(old, ignore_errors=True)
         return final
+
+
+def shard_block(s: ShardIndex) -> dict[str, np.ndarray]:
+    """One shard's rows as the index's columns (``key_ends`` counted from the shard's first key)."""
+    for f in ("keys", *_ROW_FIELDS, "image_sizes"):
+        if len(getattr(s, f)) != s.num_samples:
+            raise DatasetIndexError(f"shard {s.name} has {len(getattr(s, f))} {f} for {s.num_samples} samples")
+    block = {col: np.asarray(getattr(s, f), COLUMNS[col][0]) for f, col in zip(_ROW_FIELDS, _SAMPLE_COLUMNS)}
+    sizes = [wh for per in s.image_sizes for wh in per]
+    block["image_sizes"] = np.asarray(sizes, COLUMNS["image_sizes"][0]).reshape(len(sizes), 2)
+    encoded = [k.encode() for k in s.keys]
+    block["key_ends"] = np.cumsum([len(k) for k in encoded], dtype=np.int64)
+    block["keys"] = np.frombuffer(b"".join(encoded), np.uint8).copy()
+    return block
+
+
+def _remap(root: Path, content_hash: str) -> DatasetIndex:
+    idx = load_index(root, check_files=False)
+    if idx.content_hash != content_hash:
+        raise DatasetIndexError(f"{root / INDEX_DIR} changed while the run was using it: restart the run")
+    return idx
 
 
 def remove_index(directory: str | os.PathLike) -> None:
@@ -217,6 +266,7 @@ def _column_meta(columns: dict[str, np.ndarray]) -> dict[str, dict]:
 
 
 def _digest(arr: np.ndarray) -> str:
+    """sha1 of an array's bytes, read in 64 MB pieces (a mapped column is never read whole into memory)."""
     h = hashlib.sha1()
     flat = arr.reshape(-1).view(np.uint8) if arr.size else np.zeros(0, np.uint8)
     for lo in range(0, len(flat), 1 << 26):
@@ -225,6 +275,8 @@ def _digest(arr: np.ndarray) -> str:
 
 
 def _content_hash(shards: Sequence[ShardEntry], col_meta: dict) -> str:
+    """Names the data: the columns' hashes and the shard list, shard names without their directory (the same
+    data indexed in another place is the same data for a resume)."""
     named = [(Path(s.name).name, s.size_bytes, s.num_samples) for s in shards]
     return hashlib.sha1(repr((named, {k: v["sha1"] for k, v in sorted(col_meta.items())})).encode()).hexdigest()
 
@@ -239,6 +291,23 @@ def load_index(directory: str | os.PathLike, check_files: bool = True, verify: b
     """
     root = Path(directory)
     meta_path = root / INDEX_DIR / META_FILE
+    for _ in range(3):  # a save that swapped the directory while we mapped it: read the new one
+        before = _stamp(meta_path)
+        idx = _load(root, meta_path, check_files, verify)
+        if _stamp(meta_path) == before:
+            return idx
+    raise DatasetIndexError(f"{meta_path} kept changing while it was read: is prepare_data still writing it?")
+
+
+def _stamp(path: Path) -> tuple[int, int] | None:
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return st.st_ino, st.st_mtime_ns
+
+
+def _load(root: Path, meta_path: Path, check_files: bool, verify: bool) -> DatasetIndex:
     meta = _read_meta(root, meta_path)
     try:
         shards = [ShardEntry(str(s["name"]), int(s["size_bytes"]), int(s["num_samples"])) for s in meta["shards"]]
@@ -266,8 +335,10 @@ def load_index(directory: str | os.PathLike, check_files: bool = True, verify: b
                     f"{meta_path}: shard {s.name} has {sp.stat().st_size} bytes, index says {s.size_bytes} "
                     "(the shard changed after indexing: re-run prepare_data)"
                 )
-    idx = DatasetIndex(root, *header, shards, columns, str(meta.get("content_hash", "")), INDEX_VERSION)
-    return idx
+    content_hash = _content_hash(shards, col_meta)  # from meta's column hashes: cheap, and it must agree
+    if meta.get("content_hash") != content_hash:
+        raise DatasetIndexError(f"{meta_path}: content_hash does not match its shards and column hashes")
+    return DatasetIndex(root, *header, shards, columns, content_hash, INDEX_VERSION, mapped=True)
 
 
 def _read_meta(root: Path, path: Path) -> dict:
@@ -303,7 +374,7 @@ def _map_column(directory: Path, name: str, col_meta: dict) -> np.ndarray:
         arr = np.load(path, mmap_mode="r", allow_pickle=False)
     except (ValueError, OSError, EOFError) as e:  # bad header, or fewer bytes than the header promises
         raise DatasetIndexError(f"{path} is not a readable .npy column (truncated or corrupt: {e})") from None
-    if arr.dtype != np.dtype(dtype) or list(arr.shape) != list(want.get("shape", [])):
+    if arr.dtype != np.dtype(dtype) or list(arr.shape) != want.get("shape"):
         raise DatasetIndexError(
             f"{path}: {arr.dtype} {list(arr.shape)} where {META_FILE} says {dtype} {want.get('shape')}"
         )

@@ -44,7 +44,7 @@ def _fast_headers(blob: bytes, archive: bool = False) -> list[tuple[str, int, in
     itself; this does not. ``archive``: ``blob`` is a whole tar, which ends in zero blocks.
     """
     out: list[tuple[str, int, int, int]] = []
-    pos, n, end, first = 0, len(blob), 0, 0
+    pos, n, end, first, in_pax = 0, len(blob), 0, 0, False
     pax: dict[bytes, bytes] = {}
     try:
         while pos + 512 <= n:
@@ -56,7 +56,7 @@ def _fast_headers(blob: bytes, archive: bool = False) -> list[tuple[str, int, in
             size = _octal(h[124:136])
             kind = h[156:157]
             start = pos + 512
-            if not pax:
+            if not in_pax:
                 first = pos  # a member starts at its pax header, if it has one
             if kind == b"x":  # pax extended header for the next member: "<len> <key>=<value>\n" records
                 data, i = blob[start : start + size], 0
@@ -66,15 +66,17 @@ def _fast_headers(blob: bytes, archive: bool = False) -> list[tuple[str, int, in
                     sp = data.index(b" ", i)
                     length = int(data[i:sp])
                     k, eq, v = data[sp + 1 : i + length - 1].partition(b"=")
-                    if not eq or length <= 0:
+                    if not eq or length <= 0 or data[i + length - 1 : i + length] != b"\n":
                         return None
                     pax[k] = v
                     i += length
-                pos = start + -(-size // 512) * 512
+                pos, in_pax = start + -(-size // 512) * 512, True
                 continue
             if kind in _NON_FILE_TYPES:
-                pax = {}
-                pos = start + -(-size // 512) * 512
+                if size:  # a link or directory with data: unusual, tarfile decides
+                    return None
+                pax, in_pax = {}, False
+                pos = start
                 continue
             if kind not in (b"0", b"\0", b"7"):
                 return None
@@ -89,7 +91,7 @@ def _fast_headers(blob: bytes, archive: bool = False) -> list[tuple[str, int, in
             if start + size > n:
                 return None
             out.append((name, first, start, size))
-            pax = {}
+            pax, in_pax = {}, False
             pos = end = start + -(-size // 512) * 512
     except (ValueError, UnicodeDecodeError):
         return None

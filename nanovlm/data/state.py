@@ -99,8 +99,8 @@ class DataState:
 
 def fingerprint(cfg: DataConfig, spec: PackSpec, table: SampleTable, image_token_count: int) -> dict[str, Any]:
     """Everything the epoch order depends on. Under truncation that includes which samples are skipped because
-    their prompt alone fills the limit (the index's prompt columns decide it, and the dataset hashes leave them
-    out), named by a hash of their rows."""
+    their prompt alone fills the limit (the index's prompt columns decide it: the dataset hashes cover them,
+    but this names the effect for this run's limit), named by a hash of their rows."""
     out: dict[str, Any] = {
         "seed": cfg.seed,
         "datasets": list(table.fingerprints),

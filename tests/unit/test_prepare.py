@@ -895,7 +895,7 @@ def test_index_only_resumes_after_a_kill(tmp_path, tiny_tokenizer, monkeypatch):
     monkeypatch.setattr(prepare_data, "_shard_work", work)
     assert prepare_data.main(["--input", str(shards), "--output", str(shards), *args]) == 130
     assert not (shards / "index").exists()
-    assert sorted(p.name for p in (shards / ".index-parts").iterdir()) == ["part-0.tar.json", "part-1.tar.json"]
+    assert sorted(p.name for p in (shards / ".index-parts").iterdir()) == ["part-0.tar.npz", "part-1.tar.npz"]
     (shards / "part-1.tar").write_bytes((clean / "part-1.tar").read_bytes() + b"\0" * 512)  # changed: not trusted
     seen.clear()
     assert prepare_data.main(["--input", str(shards), "--output", str(shards), *args]) == 0

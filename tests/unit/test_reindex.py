@@ -1,0 +1,78 @@
+"""Indexing existing shards (``data/reindex.py``): duplicates found by hash and confirmed by key, whatever shard
+they are in, with their images dropped alongside; skips listed in input order; kept parts trusted only with the
+same stamp and layout version."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+from helpers.faults import conversation, json_bytes, png, tar_bytes
+
+from nanovlm.cli.prepare_data import main
+from nanovlm.data import reindex
+from nanovlm.data.index import load_index
+from nanovlm.data.processing import SampleProcessor
+
+
+def _shard(path, keys, n_images=1):
+    members = []
+    for i, k in enumerate(keys):
+        members += [(f"{k}.{j}.png", png(seed=i + j)) for j in range(n_images)]
+        members.append((f"{k}.json", json_bytes(conversation(n_images))))
+    path.write_bytes(tar_bytes(members))
+
+
+def test_duplicates_across_and_within_shards_are_dropped_with_their_images(tmp_path, tiny_tokenizer):
+    src = tmp_path / "src"
+    src.mkdir()
+    _shard(src / "a.tar", ["k0", "k1", "k0", "k2"], n_images=2)  # k0 twice in one shard
+    _shard(src / "b.tar", ["k3", "k1", "k4"], n_images=2)  # k1 again in another
+    args = ["--input", str(src), "--output", str(tmp_path / "out"), "--workers", "1"]
+    assert main([*args, "--tokenizer", tiny_tokenizer.name_or_path]) == 0
+    idx = load_index(tmp_path / "out")
+    assert idx.key_list() == ["k0", "k1", "k2", "k3", "k4"]
+    assert idx.columns["n_images"].tolist() == [2] * 5 and idx.columns["image_sizes"].shape == (10, 2)
+    assert [idx.shard(i).num_samples for i in range(2)] == [3, 2]
+    rejected = [json.loads(x) for x in (tmp_path / "out" / "rejected.jsonl").read_text().splitlines()]
+    assert [(r["key"], r["reason"], r["source"].split("@")[0]) for r in rejected] == [
+        ("k0", "duplicate_key", "a.tar"),
+        ("k1", "duplicate_key", "b.tar"),
+    ]
+
+
+def test_filter_and_hash_collisions_keep_the_right_rows():
+    """Equal hashes of different keys are not duplicates (confirmed on the key); a filtered block keeps each
+    remaining sample's own images and key."""
+    block = {
+        "offset": np.array([0, 512, 1024]), "nbytes": np.array([512] * 3), "text_tokens": np.array([5, 6, 7]),
+        "n_images": np.array([1, 0, 2]), "prompt_tokens": np.array([1, 1, 1]), "prompt_images": np.array([0] * 3),
+        "image_sizes": np.array([[1, 1], [2, 2], [3, 3]]), "key_ends": np.array([2, 5, 6]),
+        "keys": np.frombuffer(b"aabbbc", np.uint8),
+    }  # fmt: skip
+    kept = reindex._filter(block, np.array([True, False, True]))
+    assert kept["image_sizes"].tolist() == [[1, 1], [2, 2], [3, 3]]
+    assert bytes(kept["keys"]) == b"aac" and kept["key_ends"].tolist() == [2, 3]
+    kept = reindex._filter(block, np.array([False, True, True]))
+    assert kept["image_sizes"].tolist() == [[2, 2], [3, 3]] and bytes(kept["keys"]) == b"bbbc"
+    collide = reindex.ShardResult(block, [], np.array([7, 7, 7], np.uint64))  # three keys, one hash
+    assert reindex._later_duplicates([collide]).tolist() == []
+    twice = reindex.ShardResult(block, [], np.array([7, 8, 9], np.uint64))
+    assert reindex._later_duplicates([twice, twice]).tolist() == [3, 4, 5]
+
+
+def test_parts_are_trusted_only_with_the_same_stamp_and_version(tmp_path, tiny_tokenizer, monkeypatch):
+    src = tmp_path / "a.tar"
+    _shard(src, ["x", "y"])
+    res = reindex.index_shard(str(src), SampleProcessor(tiny_tokenizer, 1, 1), 0)
+    parts = tmp_path / "parts"
+    parts.mkdir()
+    reindex.save_part(parts, src, res, [1, 2, "tok"])
+    back = reindex.load_part(parts, src, [1, 2, "tok"])
+    assert back is not None and back.skips == res.skips and np.array_equal(back.hashes, res.hashes)
+    assert all(np.array_equal(back.block[c], res.block[c]) for c in res.block)
+    assert reindex.load_part(parts, src, [1, 3, "tok"]) is None  # the shard changed since
+    monkeypatch.setattr(reindex, "PART_VERSION", reindex.PART_VERSION + 1)
+    assert reindex.load_part(parts, src, [1, 2, "tok"]) is None  # made by another layout
+    (parts / "a.tar.npz").write_bytes(b"PK\x03\x04 cut short")
+    assert reindex.load_part(parts, src, [1, 2, "tok"]) is None
