@@ -72,6 +72,7 @@ class ModelConfig:
     language: LanguageConfig = field(default_factory=LanguageConfig)
     attn_backend: str = "auto"  # auto | flash_attn | torch_varlen | sdpa
     init_std: float = 0.02  # std of the normal init of linear and token weights (see NanoVLM.init_weights)
+    loss_chunk_rows: int = 0  # LM head + cross-entropy this many loss rows at a time (no [N, vocab] logits); 0 = off
     vision_checkpoint: str | None = None  # transformers SigLIP checkpoint (hub id or dir) to load; None = random
     language_checkpoint: str | None = None  # transformers Llama/SmolLM2 checkpoint to load; None = random
     vlm_checkpoint: str | None = None  # transformers Idefics3/SmolVLM checkpoint: every weight (not with the two above)
@@ -320,6 +321,7 @@ def _check_ranges(cfg: Config) -> None:
             "data.shuffle_buffer": d.shuffle_buffer,  # 0: no shuffling
             "data.max_image_pixels": d.max_image_pixels,  # 0: no limit of our own
             "data.max_carry": d.max_carry,
+            "model.loss_chunk_rows": cfg.model.loss_chunk_rows,  # 0: off
             "data.val_samples": d.val_samples,
             "data.pad_cutoff": d.pad_cutoff,
             "data.max_skip_rate": d.max_skip_rate,

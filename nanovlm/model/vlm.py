@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from nanovlm.config import ModelConfig, image_token_count
 from nanovlm.constants import IGNORE_INDEX
 from nanovlm.model.language import KVCache, LanguageModel, RMSNorm
+from nanovlm.model.loss import linear_cross_entropy
 from nanovlm.model.projector import Projector
 from nanovlm.model.vision import VisionEncoder
 
@@ -208,10 +209,11 @@ class NanoVLM(nn.Module):
         if rows is None:  # the head ran on every position: shift, and let ignore_index drop the rest
             logits = x[:, :-1].reshape(-1, x.shape[-1])  # [B * (T - 1), vocab]
             target = labels[:, 1:].reshape(-1)
-        else:  # the head on the loss positions only: [N, hidden] -> [N, vocab]
-            logits = self.language.lm_head(x.reshape(-1, x.shape[-1]).index_select(0, rows))
+            loss_sum = F.cross_entropy(logits.float(), target, ignore_index=IGNORE_INDEX, reduction="sum")
+        else:  # the head on the loss positions only: [N, hidden] -> [N, vocab], chunked when configured
+            hidden = x.reshape(-1, x.shape[-1]).index_select(0, rows)
             target = labels.reshape(-1).index_select(0, rows + 1)  # row r predicts the token after it
-        loss_sum = F.cross_entropy(logits.float(), target, ignore_index=IGNORE_INDEX, reduction="sum")
+            loss_sum = linear_cross_entropy(hidden, self.language.lm_head.weight, target, self.cfg.loss_chunk_rows)
         n_loss_tokens = (labels[:, 1:] != IGNORE_INDEX).sum()
         out["loss"] = loss_sum / n_loss_tokens.clamp(min=1)  # no host sync; 0 (with a graph) when n == 0
         out["n_loss_tokens"] = n_loss_tokens
