@@ -145,15 +145,13 @@ class DatasetIndex:
         e = self.shards[i]
         return ShardIndex(e.name, e.size_bytes, e.num_samples, self.key_list(lo, hi), image_sizes=per_sample, **rows)
 
-    def total_tokens(self, image_token_count: int) -> np.ndarray:
-        """int64 [N]: tokens per sample after image expansion, for ``image_token_count`` tokens per image."""
-        c = self.columns
-        return c["text_tokens"].astype(np.int64) + c["n_images"].astype(np.int64) * (image_token_count - 1)
+    def total_tokens(self, image_token_count: int, dtype: type = np.int64) -> np.ndarray:
+        """[N]: tokens per sample after image expansion, for ``image_token_count`` tokens per image."""
+        return _expand(self.columns["text_tokens"], self.columns["n_images"], image_token_count, dtype)
 
-    def prompt_lengths(self, image_token_count: int) -> np.ndarray:
-        """int64 [N]: tokens before each sample's first loss token after image expansion."""
-        c = self.columns
-        return c["prompt_tokens"].astype(np.int64) + c["prompt_images"].astype(np.int64) * (image_token_count - 1)
+    def prompt_lengths(self, image_token_count: int, dtype: type = np.int64) -> np.ndarray:
+        """[N]: tokens before each sample's first loss token after image expansion."""
+        return _expand(self.columns["prompt_tokens"], self.columns["prompt_images"], image_token_count, dtype)
 
     @classmethod
     def from_shards(
@@ -230,6 +228,20 @@ class DatasetIndex:
         os.replace(tmp, final)
         shutil.rmtree(old, ignore_errors=True)
         return final
+
+
+def _expand(tokens: np.ndarray, images: np.ndarray, image_token_count: int, dtype: type) -> np.ndarray:
+    """tokens + images * (image_token_count - 1), in pieces: no int64 temporaries of the whole column."""
+    out = np.empty(len(tokens), dtype)
+    limit = np.iinfo(dtype).max
+    for lo in range(0, len(tokens), 1 << 22):
+        part = tokens[lo : lo + (1 << 22)].astype(np.int64) + images[lo : lo + (1 << 22)].astype(np.int64) * (
+            image_token_count - 1
+        )
+        if len(part) and int(part.max()) > limit:
+            raise DatasetIndexError(f"a sample has {int(part.max())} tokens, more than {np.dtype(dtype)} holds")
+        out[lo : lo + len(part)] = part
+    return out
 
 
 def shard_block(s: ShardIndex) -> dict[str, np.ndarray]:

@@ -113,9 +113,9 @@ class SampleTable:
         sizes = [idx.num_samples for idx in idxs]
         shard_counts = [s.num_samples for idx in idxs for s in idx.shards]
         return cls(
-            length=cat([i.total_tokens(image_token_count) for i in idxs], np.int32),
+            length=cat([i.total_tokens(image_token_count, np.int32) for i in idxs], np.int32),
             n_images=cat([i.columns["n_images"] for i in idxs], np.int32),
-            prompt=cat([i.prompt_lengths(image_token_count) for i in idxs], np.int32),
+            prompt=cat([i.prompt_lengths(image_token_count, np.int32) for i in idxs], np.int32),
             shard_start=np.concatenate([[0], np.cumsum(shard_counts, dtype=np.int64)]).astype(np.int64),
             shard_paths=[str(idx.shard_path(s).resolve()) for idx in idxs for s in idx.shards],
             shard_dataset=np.asarray([d for d, idx in enumerate(idxs) for _ in idx.shards], np.int32),
