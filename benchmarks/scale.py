@@ -194,7 +194,7 @@ def measure(args: argparse.Namespace, log) -> ScaleResult:
     else:
         train, tokenizer = demo_dirs(bench_config(args))
         shards = Path(train[0])
-    result.prepare = measure_prepare(shards, tokenizer, log, 1.0 if args.quick else 3.0)
+    result.prepare = measure_prepare(shards, tokenizer, log, 0.3 if args.quick else 3.0)
     return result
 
 
