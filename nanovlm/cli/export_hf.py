@@ -42,6 +42,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ckpt = Path(args.checkpoint) if args.checkpoint else latest_checkpoint(checkpoint_dir(cfg))
     if ckpt is None:
         raise SystemExit(f"error: no checkpoint in {checkpoint_dir(cfg)}; give one with --checkpoint")
+    if not ckpt.is_file():
+        raise SystemExit(f"error: --checkpoint {ckpt}: no such checkpoint file")
     tokenizer = load_tokenizer(cfg.data.tokenizer)
     # the checkpoint holds every weight: no pretrained checkpoint is read (nor downloaded) again
     model_cfg = dataclasses.replace(cfg.model, vision_checkpoint=None, language_checkpoint=None, vlm_checkpoint=None)

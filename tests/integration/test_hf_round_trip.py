@@ -69,3 +69,15 @@ def test_export_cli_errors(tmp_path):
     proc = subprocess.run([sys.executable, "scripts/export_hf.py", str(tmp_path), str(tmp_path / "o")], cwd=REPO,
                           capture_output=True, text=True, timeout=TIMEOUT)  # fmt: skip
     assert proc.returncode == 1 and "no config.yaml" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_export_without_a_checkpoint_names_where_it_looked(tmp_path):
+    from nanovlm.cli.export_hf import main
+    from nanovlm.config import save_config
+
+    cfg = load_config(["tiny_cpu.yaml"], [f"trainer.run_dir={tmp_path}"])
+    save_config(cfg, tmp_path)
+    with pytest.raises(SystemExit, match="no checkpoint in .*checkpoints"):
+        main([str(tmp_path), str(tmp_path / "out")])
+    with pytest.raises(SystemExit, match="--checkpoint .*nope.ckpt: no such checkpoint file"):
+        main([str(tmp_path), str(tmp_path / "out"), "--checkpoint", str(tmp_path / "nope.ckpt")])

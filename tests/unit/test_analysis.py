@@ -151,3 +151,18 @@ def test_recommended_budget_fits_the_models_context(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "recommended: data.max_tokens=2048 data.overlength=truncate" in printed
     assert "max_position_embeddings=2048" in printed and "training refuses it" in printed
+
+
+def test_verify_finds_a_flipped_byte_the_cheap_checks_pass(tmp_path):
+    """analyze_data --verify re-hashes the columns: a corrupt byte that keeps size and header is named."""
+    from nanovlm.cli.analyze_data import main
+
+    write_index(tmp_path / "d", [10, 20, 30], [0, 1, 2])
+    assert main([str(tmp_path / "d"), "--out", str(tmp_path / "r"), "--verify"]) == 0
+    column = tmp_path / "d" / "index" / "text_tokens.npy"
+    data = bytearray(column.read_bytes())
+    data[-2] ^= 0x01
+    column.write_bytes(bytes(data))
+    assert main([str(tmp_path / "d"), "--out", str(tmp_path / "r")]) == 0  # without --verify: not noticed
+    with pytest.raises(SystemExit, match="text_tokens.npy: content does not match its hash"):
+        main([str(tmp_path / "d"), "--out", str(tmp_path / "r"), "--verify"])

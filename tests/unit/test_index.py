@@ -197,3 +197,20 @@ def test_zero_byte_shard_is_an_error_naming_it(dataset):
 def test_empty_tar_shard_is_an_error_naming_it(dataset):
     (dataset / "shard-000001.tar").write_bytes(empty_tar())
     assert "shard-000001.tar" in _index_error(dataset)
+
+
+def test_a_loaded_index_pickles_as_its_path_and_is_mapped_again(written):
+    """Spawned DataLoader workers get the index by pickling: the columns must not travel, and an index that
+    changed meanwhile is refused."""
+    import pickle
+
+    idx = load_index(written, check_files=False)
+    blob = pickle.dumps(idx)
+    assert len(blob) < 1000  # the path and the hash, not the columns
+    back = pickle.loads(blob)
+    assert isinstance(back.columns["offset"], np.memmap) and back.key_list() == idx.key_list()
+    DatasetIndex.from_shards(written, "tok", 4, "test", [_rows("shard-000000.tar", 3)]).save()
+    with pytest.raises(DatasetIndexError, match="changed while the run was using it"):
+        pickle.loads(blob)
+    memory = DatasetIndex.from_shards(written, "tok", 4, "test", [_rows("shard-000000.tar", 3)])
+    assert pickle.loads(pickle.dumps(memory)).key_list() == memory.key_list()  # not saved: travels whole
