@@ -27,7 +27,7 @@ import webdataset as wds
 from PIL import Image
 
 from nanovlm.data.format import Record, SampleError, check_key, members_to_record, record_to_json, validate_messages
-from nanovlm.data.index import DatasetIndex, ShardIndex, remove_index, scan_tar
+from nanovlm.data.index import DatasetIndex, ShardEntry, ShardIndex, remove_index, scan_tar, shard_block
 from nanovlm.data.processing import SampleProcessor, describe_error, open_image, to_rgb
 from nanovlm.data.tokenizer import tokenizer_fingerprint
 
@@ -125,7 +125,9 @@ class ShardWriter:
         self.image_token_count = image_token_count
         self.samples_per_shard = samples_per_shard
         self.created_by = created_by
-        self.shards: list[ShardIndex] = []
+        # finished shards as numpy column blocks: no Python object per sample outlives its shard
+        self.shards: list[ShardEntry] = []
+        self.blocks: list[dict] = []
         self._seen: set[str] = set()
         self._pending: list[PreparedSample] = []  # index fields of the open shard
         self._writer: wds.TarWriter | None = None
@@ -160,21 +162,21 @@ class ShardWriter:
             # directory is refused until a run completes.
             remove_index(self.out_dir)
         os.replace(self._tmp, self.out_dir / name)
-        self.shards.append(
-            ShardIndex(
-                name=name,
-                size_bytes=(self.out_dir / name).stat().st_size,
-                num_samples=len(keys),
-                keys=keys,
-                offsets=[s.offset for s in scanned],
-                nbytes=[s.nbytes for s in scanned],
-                text_tokens=[s.text_tokens for s in self._pending],
-                n_images=[len(s.image_sizes) for s in self._pending],
-                image_sizes=[s.image_sizes for s in self._pending],
-                prompt_tokens=[s.prompt_tokens for s in self._pending],
-                prompt_images=[s.prompt_images for s in self._pending],
-            )
+        rows = ShardIndex(
+            name=name,
+            size_bytes=(self.out_dir / name).stat().st_size,
+            num_samples=len(keys),
+            keys=keys,
+            offsets=[s.offset for s in scanned],
+            nbytes=[s.nbytes for s in scanned],
+            text_tokens=[s.text_tokens for s in self._pending],
+            n_images=[len(s.image_sizes) for s in self._pending],
+            image_sizes=[s.image_sizes for s in self._pending],
+            prompt_tokens=[s.prompt_tokens for s in self._pending],
+            prompt_images=[s.prompt_images for s in self._pending],
         )
+        self.shards.append(ShardEntry(rows.name, rows.size_bytes, rows.num_samples))
+        self.blocks.append(shard_block(rows))
         self._writer, self._tmp, self._pending = None, None, []
 
     def close(self) -> DatasetIndex:
@@ -187,8 +189,8 @@ class ShardWriter:
                 f.name.startswith(".shard-") and f.suffix == ".tmp"
             ):
                 f.unlink()
-        index = DatasetIndex.from_shards(
-            self.out_dir, self.fingerprint, self.image_token_count, self.created_by, self.shards
+        index = DatasetIndex.from_blocks(
+            self.out_dir, self.fingerprint, self.image_token_count, self.created_by, self.shards, self.blocks
         )
         index.save()
         return index
