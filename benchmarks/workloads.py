@@ -42,10 +42,7 @@ def sample_refs(dirs: list[str]) -> Iterator[tuple[str, int, int, str]]:
     from nanovlm.data.index import load_index
 
     for idx in map(load_index, dirs):
-        offsets, nbytes = idx.columns["offset"], idx.columns["nbytes"]
-        for s, (lo, hi) in enumerate(zip(idx.shard_start[:-1], idx.shard_start[1:])):
-            for i in range(int(lo), int(hi)):
-                yield str(idx.shard_path(s)), int(offsets[i]), int(nbytes[i]), idx.key(i)
+        yield from idx.sample_refs()
 
 
 def demo_dirs(cfg: Config) -> tuple[list[str], str]:

@@ -45,7 +45,7 @@ def collect(indexes: list[DatasetIndex], image_token_count: int) -> LengthStats:
     """The length columns of one or more indexes, concatenated."""
     text_a = np.concatenate([i.columns["text_tokens"] for i in indexes] or [np.zeros(0)]).astype(np.int64)
     imgs_a = np.concatenate([i.columns["n_images"] for i in indexes] or [np.zeros(0)]).astype(np.int64)
-    total = text_a + imgs_a * (image_token_count - 1)
+    total = np.concatenate([i.total_tokens(image_token_count) for i in indexes] or [np.zeros(0, np.int64)])
     prompts = np.concatenate([i.prompt_lengths(image_token_count) for i in indexes] or [np.zeros(0, np.int64)])
     return LengthStats(text_a, total, imgs_a, image_token_count, [str(i.root) for i in indexes], prompts)
 

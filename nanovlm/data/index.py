@@ -51,7 +51,7 @@ COLUMNS: dict[str, tuple[str, str]] = {
     "keys": ("|u1", "key_bytes"),
 }
 _ROW_FIELDS = ("offsets", "nbytes", "text_tokens", "n_images", "prompt_tokens", "prompt_images")
-_SAMPLE_COLUMNS = ("offset", "nbytes", "text_tokens", "n_images", "prompt_tokens", "prompt_images")
+SAMPLE_COLUMNS = ("offset", "nbytes", "text_tokens", "n_images", "prompt_tokens", "prompt_images")
 
 
 class DatasetIndexError(ValueError):
@@ -122,13 +122,19 @@ class DatasetIndex:
         """Sample ``i``'s key, decoded from the key bytes."""
         if not 0 <= i < self.num_samples:
             raise IndexError(f"sample {i} of an index of {self.num_samples}")
-        ends = self.columns["key_ends"]
-        lo = int(ends[i - 1]) if i > 0 else 0
-        return bytes(self.columns["keys"][lo : int(ends[i])]).decode()
+        return decode_key(self.columns, i)
 
     def key_list(self, lo: int = 0, hi: int | None = None) -> list[str]:
         """Keys of samples lo:hi (decoded on demand: never call it for a whole large index)."""
         return [self.key(i) for i in range(lo, self.num_samples if hi is None else hi)]
+
+    def sample_refs(self) -> Iterator[tuple[str, int, int, str]]:
+        """(shard path, byte offset, byte size, key) of every sample, in index order (one read at a time)."""
+        offsets, nbytes = self.columns["offset"], self.columns["nbytes"]
+        for s, (lo, hi) in enumerate(zip(self.shard_start[:-1].tolist(), self.shard_start[1:].tolist())):
+            path = str(self.shard_path(s))
+            for i in range(lo, hi):
+                yield path, int(offsets[i]), int(nbytes[i]), self.key(i)
 
     def shard(self, i: int) -> ShardIndex:
         """Shard ``i``'s rows as lists (for tools and tests that walk one shard)."""
@@ -141,7 +147,7 @@ class DatasetIndex:
         for n in counts:
             per_sample.append(sizes[at : at + n])
             at += n
-        rows = {f: c[col][lo:hi].tolist() for f, col in zip(_ROW_FIELDS, _SAMPLE_COLUMNS)}
+        rows = {f: c[col][lo:hi].tolist() for f, col in zip(_ROW_FIELDS, SAMPLE_COLUMNS)}
         e = self.shards[i]
         return ShardIndex(e.name, e.size_bytes, e.num_samples, self.key_list(lo, hi), image_sizes=per_sample, **rows)
 
@@ -180,7 +186,7 @@ class DatasetIndex:
     ) -> DatasetIndex:
         """Build from one ``shard_block`` per shard: numpy columns, so a large index is never Python objects."""
         for e, blk in zip(entries, blocks, strict=True):
-            if any(len(blk[c]) != e.num_samples for c in (*_SAMPLE_COLUMNS, "key_ends")):
+            if any(len(blk[c]) != e.num_samples for c in (*SAMPLE_COLUMNS, "key_ends")):
                 raise DatasetIndexError(f"shard {e.name}: its columns do not all have {e.num_samples} rows")
         cols = {}
         for name, (dtype, _) in COLUMNS.items():
@@ -230,6 +236,12 @@ class DatasetIndex:
         return final
 
 
+def decode_key(columns: dict[str, np.ndarray], i: int) -> str:
+    """Key ``i`` of a ``keys`` / ``key_ends`` column pair (an index's, or one shard block's)."""
+    ends = columns["key_ends"]
+    return bytes(columns["keys"][(int(ends[i - 1]) if i > 0 else 0) : int(ends[i])]).decode()
+
+
 def _expand(tokens: np.ndarray, images: np.ndarray, image_token_count: int, dtype: type) -> np.ndarray:
     """tokens + images * (image_token_count - 1), in pieces: no int64 temporaries of the whole column."""
     out = np.empty(len(tokens), dtype)
@@ -249,7 +261,7 @@ def shard_block(s: ShardIndex) -> dict[str, np.ndarray]:
     for f in ("keys", *_ROW_FIELDS, "image_sizes"):
         if len(getattr(s, f)) != s.num_samples:
             raise DatasetIndexError(f"shard {s.name} has {len(getattr(s, f))} {f} for {s.num_samples} samples")
-    block = {col: np.asarray(getattr(s, f), COLUMNS[col][0]) for f, col in zip(_ROW_FIELDS, _SAMPLE_COLUMNS)}
+    block = {col: np.asarray(getattr(s, f), COLUMNS[col][0]) for f, col in zip(_ROW_FIELDS, SAMPLE_COLUMNS)}
     sizes = [wh for per in s.image_sizes for wh in per]
     block["image_sizes"] = np.asarray(sizes, COLUMNS["image_sizes"][0]).reshape(len(sizes), 2)
     encoded = [k.encode() for k in s.keys]

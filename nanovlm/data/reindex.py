@@ -22,7 +22,16 @@ from pathlib import Path
 import numpy as np
 
 from nanovlm.data.format import SampleError
-from nanovlm.data.index import COLUMNS, ShardEntry, ShardIndex, TarSample, scan_tar, shard_block
+from nanovlm.data.index import (
+    COLUMNS,
+    SAMPLE_COLUMNS,
+    ShardEntry,
+    ShardIndex,
+    TarSample,
+    decode_key,
+    scan_tar,
+    shard_block,
+)
 from nanovlm.data.prepare import index_tar_sample
 from nanovlm.data.processing import SampleProcessor
 from nanovlm.data.reader import scan_bytes
@@ -164,7 +173,7 @@ def merge(
         block = res.block
         listed = [(_offset(s[1]), s) for s in res.skips]
         for i in drop.tolist():
-            key = _key(block, i)
+            key = decode_key(block, i)
             source = f"{Path(name).name}@{int(block['offset'][i])}"
             listed.append(
                 (int(block["offset"][i]), [key, source, "duplicate_key", "keys must be unique within a dataset"])
@@ -200,7 +209,7 @@ def _later_duplicates(results: Sequence[ShardResult]) -> np.ndarray:
 
     def key_of(row: int) -> str:
         shard = int(np.searchsorted(starts, row, side="right")) - 1
-        return _key(results[shard].block, row - int(starts[shard]))
+        return decode_key(results[shard].block, row - int(starts[shard]))
 
     seen: dict[str, int] = {}
     later = []
@@ -213,14 +222,9 @@ def _later_duplicates(results: Sequence[ShardResult]) -> np.ndarray:
     return np.asarray(later, np.int64)
 
 
-def _key(block: dict[str, np.ndarray], i: int) -> str:
-    ends = block["key_ends"]
-    return bytes(block["keys"][(int(ends[i - 1]) if i else 0) : int(ends[i])]).decode()
-
-
 def _filter(block: dict[str, np.ndarray], keep: np.ndarray) -> dict[str, np.ndarray]:
     """The rows of a block where ``keep`` is True (their images and key bytes with them)."""
-    out = {c: block[c][keep] for c in ("offset", "nbytes", "text_tokens", "n_images", "prompt_tokens", "prompt_images")}
+    out = {c: block[c][keep] for c in SAMPLE_COLUMNS}
     out["image_sizes"] = block["image_sizes"][np.repeat(keep, block["n_images"])]
     ends = block["key_ends"]
     starts = np.concatenate([[0], ends[:-1]])

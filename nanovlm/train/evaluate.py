@@ -66,18 +66,14 @@ def _answered(idx, reader, skips: Counter | None):
     """The records of one dataset directory that end in an assistant turn and have an ``answer``, in order."""
     from nanovlm.data.format import SampleError
 
-    offsets, nbytes = idx.columns["offset"], idx.columns["nbytes"]
-    for s, (lo, hi) in enumerate(zip(idx.shard_start[:-1], idx.shard_start[1:])):
-        path = str(idx.shard_path(s))
-        for i in range(int(lo), int(hi)):
-            key, off, nb = idx.key(i), int(offsets[i]), int(nbytes[i])
-            try:
-                record = reader.read(path, off, nb, key)
-            except SampleError as e:
-                _skip(skips, e, f"{key} ({path})")
-                continue
-            if "answer" in record.extra and record.messages[-1]["role"] == "assistant":
-                yield record
+    for path, off, nb, key in idx.sample_refs():
+        try:
+            record = reader.read(path, off, nb, key)
+        except SampleError as e:
+            _skip(skips, e, f"{key} ({path})")
+            continue
+        if "answer" in record.extra and record.messages[-1]["role"] == "assistant":
+            yield record
 
 
 ANSWER_MARGIN = 8  # tokens generated beyond the expected answer's length (room for its end token and some slack)

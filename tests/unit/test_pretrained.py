@@ -68,20 +68,20 @@ def word_tokenizer(n_words: int):
     return tok
 
 
-@pytest.fixture(scope="module")
-def siglip_dir(tmp_path_factory):
-    model = hf_siglip()
-    path = tmp_path_factory.mktemp("siglip")
+def saved(model, path):
+    """(model, the directory it was written to with save_pretrained)."""
     model.save_pretrained(path)
     return model, path
+
+
+@pytest.fixture(scope="module")
+def siglip_dir(tmp_path_factory):
+    return saved(hf_siglip(), tmp_path_factory.mktemp("siglip"))
 
 
 @pytest.fixture(scope="module")
 def llama_dir(tmp_path_factory):
-    model = hf_llama()
-    path = tmp_path_factory.mktemp("llama")
-    model.save_pretrained(path)
-    return model, path
+    return saved(hf_llama(), tmp_path_factory.mktemp("llama"))
 
 
 def test_vision_matches_siglip(siglip_dir):
@@ -331,10 +331,7 @@ def hf_idefics3(tie: bool = True, image_token_id: int = 100):
 
 @pytest.fixture(scope="module")
 def idefics3_dir(tmp_path_factory):
-    model = hf_idefics3()
-    path = tmp_path_factory.mktemp("idefics3")
-    model.save_pretrained(path)
-    return model, path
+    return saved(hf_idefics3(), tmp_path_factory.mktemp("idefics3"))
 
 
 def vlm_config(**kw) -> ModelConfig:
