@@ -70,7 +70,7 @@ def index_shard(path: str, processor: SampleProcessor, max_pixels: int, decode: 
                     raise bad[0]
                 counts, sizes = index_tar_sample(members, ts.key, processor, max_pixels, decode)
             except SampleError as e:
-                skips.append([ts.key, f"{name}@{ts.offset}", e.reason, e.detail])
+                skips.append([e.key or ts.key, f"{name}@{ts.offset}", e.reason, e.detail])  # e.key: printable
                 continue
             rows.keys.append(ts.key)
             rows.offsets.append(ts.offset)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import pytest
 from helpers.faults import conversation, json_bytes, png, tar_bytes
 
 from nanovlm.cli.prepare_data import main
@@ -76,3 +77,31 @@ def test_parts_are_trusted_only_with_the_same_stamp_and_version(tmp_path, tiny_t
     assert reindex.load_part(parts, src, [1, 2, "tok"]) is None  # made by another layout
     (parts / "a.tar.npz").write_bytes(b"PK\x03\x04 cut short")
     assert reindex.load_part(parts, src, [1, 2, "tok"]) is None
+
+
+def test_a_key_that_is_not_utf8_is_a_counted_skip(tmp_path, tiny_tokenizer):
+    """A member name in latin-1 (a foreign tool): the sample is skipped as bad_key, the rest is indexed."""
+    import io
+    import tarfile
+
+    src = tmp_path / "src"
+    src.mkdir()
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.USTAR_FORMAT, encoding="latin-1") as tf:
+        for name, data in [("caf\u00e9.png", png()), ("caf\u00e9.json", json_bytes(conversation(1))),
+                           ("ok.png", png()), ("ok.json", json_bytes(conversation(1)))]:  # fmt: skip
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tf.addfile(info, io.BytesIO(data))
+    (src / "a.tar").write_bytes(buf.getvalue())
+    args = ["--input", str(src), "--output", str(tmp_path / "out"), "--workers", "1"]
+    assert main([*args, "--tokenizer", tiny_tokenizer.name_or_path]) == 0
+    assert load_index(tmp_path / "out").key_list() == ["ok"]
+    rejected = [json.loads(x) for x in (tmp_path / "out" / "rejected.jsonl").read_text().splitlines()]
+    assert [r["reason"] for r in rejected] == ["bad_key"] and "caf" in rejected[0]["key"]
+
+
+def test_header_only_image_check_is_refused_for_jsonl(tmp_path):
+    (tmp_path / "a.jsonl").write_text("{}\n")
+    with pytest.raises(SystemExit, match="--image-check header is for --input DIR"):
+        main(["--input", str(tmp_path / "a.jsonl"), "--output", str(tmp_path / "o"), "--image-check", "header"])
