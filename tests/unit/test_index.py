@@ -214,3 +214,38 @@ def test_a_loaded_index_pickles_as_its_path_and_is_mapped_again(written):
         pickle.loads(blob)
     memory = DatasetIndex.from_shards(written, "tok", 4, "test", [_rows("shard-000000.tar", 3)])
     assert pickle.loads(pickle.dumps(memory)).key_list() == memory.key_list()  # not saved: travels whole
+
+
+def test_meta_whose_content_hash_disagrees_with_its_columns_is_refused(written):
+    meta_path = written / "index" / "meta.json"
+    meta = json.loads(meta_path.read_text())
+    meta_path.write_text(json.dumps(meta | {"content_hash": "0" * 40}))
+    assert "content_hash does not match" in _error(written)
+
+
+def test_a_save_during_a_load_gives_the_new_index_whole(written, monkeypatch):
+    """A save swapping index/ while a reader maps the columns: the reader must not pair the old meta.json with the
+    new columns (a hash naming other data than it holds)."""
+    real, fired = index_mod._map_column, []
+
+    def map_then_save(directory, name, col_meta):
+        arr = real(directory, name, col_meta)
+        if name == "offset" and not fired:
+            fired.append(1)
+            new = _rows("shard-000000.tar", 6)
+            new.text_tokens = [99] * 6  # same shapes, other values
+            DatasetIndex.from_shards(written, "tok", 4, "test", [new]).save()
+        return arr
+
+    monkeypatch.setattr(index_mod, "_map_column", map_then_save)
+    idx = load_index(written, check_files=False)
+    assert fired and idx.columns["text_tokens"].tolist() == [99] * 6
+    assert idx.content_hash == load_index(written, check_files=False, verify=True).content_hash
+
+
+def test_key_outside_the_index_is_an_index_error(written):
+    idx = load_index(written, check_files=False)
+    with pytest.raises(IndexError):
+        idx.key(-1)  # would slice every key together
+    with pytest.raises(IndexError):
+        idx.key(6)
