@@ -31,7 +31,9 @@ from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBase
 class VisionConfig:
     """SigLIP-style ViT encoder (conv patch embedding, learned positions, no CLS token)."""
 
-    image_size: int = 224  # input resolution (square); images are resized to this on the data side
+    image_size: int = 224  # input resolution (square): of the whole image, or of each tile with splitting
+    image_splitting: bool = False  # show each image as a grid of image_size tiles + a global view (data/tiling.py)
+    max_tiles: int = 4  # with image_splitting: most grid tiles per image (the global view comes on top), <= 36
     patch_size: int = 16  # conv patch size; the encoder sees (image_size / patch_size)^2 patches
     hidden_size: int = 768  # width of the encoder
     num_layers: int = 12  # transformer blocks
@@ -93,7 +95,7 @@ class DataConfig:
     tokenizer: str = "data/demo/tokenizer"  # local tokenizer dir or hub id (hub ids need network)
     make_demo_if_missing: bool = True  # build the procedural demo dataset + tokenizer when the paths above are absent
     max_tokens: int = 4096  # token budget per pack (text + image tokens): the T of every [1, T] batch
-    max_images: int = 16  # image budget per pack (bounds vision-encoder cost per step)
+    max_images: int = 16  # encoder inputs per pack: images, or tiles with model.vision.image_splitting
     overlength: str = "drop"  # what to do with a sample longer than max_tokens: drop | truncate (counted)
     packing: str = "packed"  # packed | pad_to_longest | constrained (the last two are baselines)
     batch_size: int = 8  # samples per batch for the padded baselines (packed mode always yields one pack)
@@ -281,6 +283,10 @@ def _check_values(cfg: Config) -> None:
         raise ConfigError("hidden sizes must divide by head counts, and language.num_heads by num_kv_heads")
     if cfg.data.max_tokens <= 0 or cfg.data.max_images <= 0:
         raise ConfigError("data.max_tokens and data.max_images must be positive")
+    if v.image_splitting and not 1 <= v.max_tiles <= 36:
+        raise ConfigError(
+            f"bad value for config key 'model.vision.max_tiles': {v.max_tiles}; 1..36 (grids of at most 6 x 6 tiles)"
+        )
     if cfg.data.max_tokens > lm.max_position_embeddings:
         raise ConfigError(
             f"data.max_tokens={cfg.data.max_tokens} exceeds model.language.max_position_embeddings="

@@ -30,13 +30,14 @@ from nanovlm.data.processing import SampleProcessor
 from nanovlm.data.shards import EpochPlan, PackSpec, SampleTable, Topology
 from nanovlm.data.state import DataState, DataStateError, Position, check_fingerprint, fingerprint, restore
 from nanovlm.data.stream import DataMismatchError, PackStream, StreamSpec
+from nanovlm.data.tiling import ImageLayout
 from nanovlm.data.tokenizer import load_tokenizer, tokenizer_fingerprint
 from nanovlm.dist import all_gather_object, initialized, rank_world
 
 __all__ = ["DataMismatchError", "DataStateError", "PackedMultimodalDataModule", "SkipRateError"]
 
 
-def load_table(dirs: list[str], tokenizer, tokenizer_name: str, image_tokens: int) -> SampleTable:
+def load_table(dirs: list[str], tokenizer, tokenizer_name: str, layout: ImageLayout) -> SampleTable:
     """The sample table of dataset directories, refusing an index counted with another tokenizer."""
     fingerprint_now = tokenizer_fingerprint(tokenizer)
     datasets = []
@@ -49,7 +50,7 @@ def load_table(dirs: list[str], tokenizer, tokenizer_name: str, image_tokens: in
                 "with this run's tokenizer (--tokenizer)."
             )
         datasets.append((str(d), idx))
-    return SampleTable.from_indexes(datasets, image_tokens)
+    return SampleTable.from_indexes(datasets, layout)
 
 
 class PackedMultimodalDataModule(L.LightningDataModule):
@@ -89,7 +90,7 @@ class PackedMultimodalDataModule(L.LightningDataModule):
     @property
     def tokenizer(self):
         if self._tokenizer is None:
-            self._tokenizer = load_tokenizer(self.cfg.tokenizer)
+            self._tokenizer = load_tokenizer(self.cfg.tokenizer, self.model_cfg.vision.image_splitting)
         return self._tokenizer
 
     @property
@@ -111,12 +112,12 @@ class PackedMultimodalDataModule(L.LightningDataModule):
         if self.table is None:
             if not self.cfg.train:
                 raise ValueError("data.train lists no dataset directory")
-            args = (self.tokenizer, self.cfg.tokenizer, self.image_token_count)
+            self.processor = SampleProcessor.from_config(self.tokenizer, self.model_cfg, self.cfg)
+            args = (self.tokenizer, self.cfg.tokenizer, self.processor.layout)
             self.table = load_table(list(self.cfg.train), *args)
             self.val_table = load_table(list(self.cfg.val), *args) if self.cfg.val else None
             if self.val_table is not None and self.cfg.val_samples > 0:  # one global subset: any topology sees it
                 self.val_table = self.val_table.head(self.cfg.val_samples)
-            self.processor = SampleProcessor.from_config(self.tokenizer, self.model_cfg, self.cfg)
             pad = self.tokenizer.pad_token_id
             self.pad_id = int(pad if pad is not None else 0)
         if self._pending_state is not None:
@@ -210,7 +211,7 @@ class PackedMultimodalDataModule(L.LightningDataModule):
     # ---- state -------------------------------------------------------------------------------------------------
 
     def _fingerprint(self) -> dict:
-        return fingerprint(self.cfg, self.spec, self.table, self.image_token_count)
+        return fingerprint(self.cfg, self.spec, self.table, self.processor.layout)
 
     def state_dict(self) -> dict:
         """The position of every rank (all-gathered under torch.distributed; every rank must call it)."""

@@ -29,6 +29,8 @@ from pathlib import Path
 
 import numpy as np
 
+from nanovlm.data.tiling import ImageLayout, as_layout
+
 INDEX_DIR = "index"
 META_FILE = "meta.json"
 INDEX_VERSION = 3
@@ -151,13 +153,49 @@ class DatasetIndex:
         e = self.shards[i]
         return ShardIndex(e.name, e.size_bytes, e.num_samples, self.key_list(lo, hi), image_sizes=per_sample, **rows)
 
-    def total_tokens(self, image_token_count: int, dtype: type = np.int64) -> np.ndarray:
-        """[N]: tokens per sample after image expansion, for ``image_token_count`` tokens per image."""
-        return _expand(self.columns["text_tokens"], self.columns["n_images"], image_token_count, dtype)
+    def total_tokens(self, layout: ImageLayout | int, dtype: type = np.int64) -> np.ndarray:
+        """[N]: tokens per sample with its images expanded by ``layout`` (an int: that many tokens per image)."""
+        return self._expanded("text_tokens", "n_images", as_layout(layout), dtype, tokens=True)
 
-    def prompt_lengths(self, image_token_count: int, dtype: type = np.int64) -> np.ndarray:
-        """[N]: tokens before each sample's first loss token after image expansion."""
-        return _expand(self.columns["prompt_tokens"], self.columns["prompt_images"], image_token_count, dtype)
+    def prompt_lengths(self, layout: ImageLayout | int, dtype: type = np.int64) -> np.ndarray:
+        """[N]: tokens before each sample's first loss token, images expanded."""
+        return self._expanded("prompt_tokens", "prompt_images", as_layout(layout), dtype, tokens=True)
+
+    def vision_inputs(self, layout: ImageLayout | int, dtype: type = np.int32) -> np.ndarray:
+        """[N]: encoder inputs per sample, what ``data.max_images`` counts: images, or tiles with splitting."""
+        layout = as_layout(layout)
+        if not layout.splitting:
+            return self.columns["n_images"] if dtype == np.int32 else self.columns["n_images"].astype(dtype)
+        return self._expanded(None, "n_images", layout, dtype, tokens=False)
+
+    def _expanded(self, base: str | None, images: str, layout: ImageLayout, dtype: type, tokens: bool) -> np.ndarray:
+        """``base`` (each ``<image>`` counted once) plus what the first ``images`` images of each sample add.
+
+        In pieces of 4M samples: no int64 temporary of a whole 100M column. Without splitting every image adds
+        ``tokens_per_tile - 1`` tokens; with it the images' sizes decide (``ImageLayout.costs``).
+        """
+        c = self.columns
+        out = np.empty(self.num_samples, dtype)
+        limit = np.iinfo(dtype).max
+        first_image = 0  # row of image_sizes where the current piece's first sample starts
+        for lo in range(0, self.num_samples, 1 << 22):
+            hi = min(lo + (1 << 22), self.num_samples)
+            counts = c["n_images"][lo:hi].astype(np.int64)
+            take = c[images][lo:hi].astype(np.int64)
+            part = np.zeros(hi - lo, np.int64) if base is None else c[base][lo:hi].astype(np.int64)
+            if not layout.splitting:
+                part += take * (layout.tokens_per_tile - 1)
+            else:
+                n_rows = int(counts.sum())
+                tiles, toks = layout.costs(c["image_sizes"][first_image : first_image + n_rows])
+                cum = np.concatenate([[0], np.cumsum(toks - 1 if tokens else tiles)])
+                starts = np.cumsum(counts) - counts
+                part += cum[starts + take] - cum[starts]
+                first_image += n_rows
+            if len(part) and int(part.max()) > limit:
+                raise DatasetIndexError(f"a sample has {int(part.max())} tokens, more than {np.dtype(dtype)} holds")
+            out[lo:hi] = part
+        return out
 
     @classmethod
     def from_shards(
@@ -240,20 +278,6 @@ def decode_key(columns: dict[str, np.ndarray], i: int) -> str:
     """Key ``i`` of a ``keys`` / ``key_ends`` column pair (an index's, or one shard block's)."""
     ends = columns["key_ends"]
     return bytes(columns["keys"][(int(ends[i - 1]) if i > 0 else 0) : int(ends[i])]).decode()
-
-
-def _expand(tokens: np.ndarray, images: np.ndarray, image_token_count: int, dtype: type) -> np.ndarray:
-    """tokens + images * (image_token_count - 1), in pieces: no int64 temporaries of the whole column."""
-    out = np.empty(len(tokens), dtype)
-    limit = np.iinfo(dtype).max
-    for lo in range(0, len(tokens), 1 << 22):
-        part = tokens[lo : lo + (1 << 22)].astype(np.int64) + images[lo : lo + (1 << 22)].astype(np.int64) * (
-            image_token_count - 1
-        )
-        if len(part) and int(part.max()) > limit:
-            raise DatasetIndexError(f"a sample has {int(part.max())} tokens, more than {np.dtype(dtype)} holds")
-        out[lo : lo + len(part)] = part
-    return out
 
 
 def shard_block(s: ShardIndex) -> dict[str, np.ndarray]:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import io
 import os
 import re
-import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -28,14 +27,13 @@ from PIL import Image
 
 from nanovlm.data.format import Record, SampleError, check_key, members_to_record, record_to_json, validate_messages
 from nanovlm.data.index import DatasetIndex, ShardEntry, ShardIndex, remove_index, scan_tar, shard_block
-from nanovlm.data.processing import SampleProcessor, describe_error, open_image, to_rgb
+from nanovlm.data.processing import SampleProcessor, describe_error, open_checked, to_rgb, upright_size
 from nanovlm.data.tokenizer import tokenizer_fingerprint
 
 SHARD_PATTERN = "shard-{:06d}.tar"
 _SHARD_RE = re.compile(r"^shard-\d{6}\.tar$")
 # PIL format -> member suffix. Other formats the decoder accepts (PPM) are re-encoded as PNG for every reader.
 _FORMAT_EXT = {"JPEG": "jpg", "MPO": "jpg", "PNG": "png", "WEBP": "webp", "GIF": "gif", "BMP": "bmp", "TIFF": "tif"}
-_ROTATED = (5, 6, 7, 8)  # EXIF orientations that swap width and height
 
 
 @dataclass
@@ -58,36 +56,25 @@ def inspect_image(data: bytes, max_pixels: int = 0, key: str = "", decode: bool 
     read (format, size, orientation: ~20x faster); a file damaged past its header is then a counted
     ``unreadable_image`` skip when training reads it.
     """
+    img = open_checked(data, max_pixels, key)
+    w, h = img.size
+    fmt = img.format
+    upright = upright_size(img)
     try:
-        with warnings.catch_warnings():  # our own max_pixels check below replaces PIL's warning
-            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-            img = open_image(data)
-        w, h = img.size
-        fmt = img.format
-        if max_pixels > 0 and w * h > max_pixels:
-            raise SampleError("image_too_large", key, f"{w}x{h} > max_image_pixels={max_pixels}")
-        try:
-            orientation = img.getexif().get(0x0112)
-        except Exception:
-            orientation = None
         if decode and fmt == "JPEG":
             img.draft(img.mode, (max(1, w // 8), max(1, h // 8)))
         if decode:
             img.load()
-    except SampleError:
-        raise
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
         raise SampleError("image_too_large", key, str(e)) from None
     except Exception as e:
         raise SampleError("unreadable_image", key, describe_error(e)) from None
-    if orientation in _ROTATED:
-        w, h = h, w
     ext = _FORMAT_EXT.get(fmt or "")
     if ext is None:  # PPM: store as PNG so any reader decodes it
         buf = io.BytesIO()
         to_rgb(img).save(buf, format="PNG")
         ext, data = "png", buf.getvalue()
-    return ext, [w, h], data
+    return ext, list(upright), data
 
 
 def prepare_record(record: Record, processor: SampleProcessor, max_image_pixels: int = 0) -> PreparedSample:

@@ -19,7 +19,7 @@ import functools
 import io
 import re
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -29,6 +29,7 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 from nanovlm.config import DataConfig, ModelConfig, image_token_count
 from nanovlm.constants import IGNORE_INDEX, IMAGE_TOKEN
 from nanovlm.data.format import Record, SampleError
+from nanovlm.data.tiling import GLOBAL_MARKER, NO_SPLIT, SPLIT_TOKENS, TILE_MARKER, ImageLayout, position_marker
 from nanovlm.data.tokenizer import IM_END, IM_START, plain_text_tokenizer
 
 LETTERBOX_FILL = (128, 128, 128)  # ~the normalisation mean, so padding is ~0 after normalisation
@@ -57,6 +58,23 @@ def open_image(data: bytes) -> Image.Image:
     return Image.open(io.BytesIO(data), formats=_available_formats())
 
 
+def open_checked(data: bytes, max_pixels: int = 0, key: str = "") -> Image.Image:
+    """Open image bytes (header only) under the size guard: SampleError ``image_too_large`` past ``max_pixels``
+    (> 0) or PIL's bomb limit, ``unreadable_image`` when no allowed format reads them."""
+    try:
+        with warnings.catch_warnings():  # our own max_pixels check below replaces PIL's warning
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            img = open_image(data)
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
+        raise SampleError("image_too_large", key, str(e)) from None
+    except Exception as e:  # PIL raises many types (OSError, ValueError, SyntaxError, struct.error, ...)
+        raise SampleError("unreadable_image", key, describe_error(e)) from None
+    w, h = img.size
+    if max_pixels > 0 and w * h > max_pixels:
+        raise SampleError("image_too_large", key, f"{w}x{h} > max_image_pixels={max_pixels}")
+    return img
+
+
 def decode_image(data: bytes, max_pixels: int = 0, draft_size: int = 0, key: str = "") -> Image.Image:
     """Bytes -> fully decoded RGB PIL image, upright (EXIF orientation applied). Format is sniffed from content.
 
@@ -64,21 +82,14 @@ def decode_image(data: bytes, max_pixels: int = 0, draft_size: int = 0, key: str
     ``draft_size`` > 0 lets JPEG decode at a reduced scale that still covers draft_size x draft_size (fast).
     Raises SampleError ``image_too_large`` or ``unreadable_image`` (also for truncated files).
     """
+    img = open_checked(data, max_pixels, key)
     try:
-        with warnings.catch_warnings():  # our own max_pixels check below replaces PIL's warning
-            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-            img = open_image(data)
-        w, h = img.size
-        if max_pixels > 0 and w * h > max_pixels:
-            raise SampleError("image_too_large", key, f"{w}x{h} > max_image_pixels={max_pixels}")
         if draft_size > 0 and img.format == "JPEG":
             img.draft("RGB", (draft_size, draft_size))
         img.load()  # decodes everything: truncated or corrupt data fails here, not later
-    except SampleError:
-        raise
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
         raise SampleError("image_too_large", key, str(e)) from None
-    except Exception as e:  # PIL raises many types (OSError, ValueError, SyntaxError, struct.error, ...)
+    except Exception as e:
         raise SampleError("unreadable_image", key, describe_error(e)) from None
     with contextlib.suppress(Exception):  # a corrupt EXIF block must not cost an otherwise readable image
         ImageOps.exif_transpose(img, in_place=True)  # in place: no copy of the (usual) upright image
@@ -127,6 +138,39 @@ def resize_image(img: Image.Image, size: int, mode: str = "squash") -> Image.Ima
     raise ValueError(f"unknown resize mode {mode!r}; choose squash or letterbox")
 
 
+ROTATED_ORIENTATIONS = (5, 6, 7, 8)  # EXIF orientations that swap width and height
+
+
+def upright_size(img: Image.Image) -> tuple[int, int]:
+    """(width, height) of an opened image once its EXIF orientation is applied (read from the header only)."""
+    w, h = img.size
+    try:
+        orientation = img.getexif().get(0x0112)
+    except Exception:  # a corrupt EXIF block: decode_image ignores it too
+        orientation = None
+    return (h, w) if orientation in ROTATED_ORIENTATIONS else (w, h)
+
+
+def split_image(img: Image.Image, grid: tuple[int, int], size: int, resize: str = "squash") -> list[Image.Image]:
+    """An upright RGB image -> its views for ``grid`` (tiling.py): the tiles row by row, then the global view.
+
+    A 1 x 1 grid is one view, the whole image resized like an unsplit image. Otherwise the image keeps its aspect
+    and fills the ``cols*size x rows*size`` canvas as far as that allows, centred on grey.
+    """
+    rows, cols = grid
+    whole = resize_image(img, size, resize)
+    if rows * cols <= 1:
+        return [whole]
+    cw, ch = cols * size, rows * size
+    w, h = img.size
+    scale = min(cw / w, ch / h)
+    nw, nh = min(cw, max(1, round(w * scale))), min(ch, max(1, round(h * scale)))
+    canvas = Image.new("RGB", (cw, ch), LETTERBOX_FILL)
+    canvas.paste(img.resize((nw, nh), Image.Resampling.BICUBIC), ((cw - nw) // 2, (ch - nh) // 2))
+    boxes = [(c * size, r * size, (c + 1) * size, (r + 1) * size) for r in range(rows) for c in range(cols)]
+    return [canvas.crop(b) for b in boxes] + [whole]
+
+
 def images_to_tensor(images: list[Image.Image]) -> torch.Tensor:
     """Same-size RGB PIL images -> one contiguous uint8 tensor [n, 3, H, W] (normalised later, on the device).
 
@@ -157,14 +201,18 @@ class ProcessedSample:
 
 
 class SampleProcessor:
-    """Decode images and tokenize a conversation with ChatML, loss labels on assistant turns only."""
+    """Decode images and tokenize a conversation with ChatML, loss labels on assistant turns only.
+
+    ``max_tiles`` > 0 splits images (``tiling.py``): each ``<image>`` becomes its grid's tiles, global view and
+    markers. The tokenizer must then carry the markers (``load_tokenizer(..., image_splitting=True)``).
+    """
 
     @classmethod
     def from_config(cls, tokenizer, model_cfg: ModelConfig, data_cfg: DataConfig) -> SampleProcessor:
         """The processor a run with these configs trains on."""
         vision = model_cfg.vision
         args = (vision.image_size, image_token_count(model_cfg), data_cfg.image_resize, data_cfg.max_image_pixels)
-        return cls(tokenizer, *args)
+        return cls(tokenizer, *args, max_tiles=vision.max_tiles if vision.image_splitting else 0)
 
     def __init__(
         self,
@@ -173,6 +221,7 @@ class SampleProcessor:
         image_token_count: int,
         resize: str = "squash",
         max_image_pixels: int = 64_000_000,
+        max_tiles: int = 0,
     ):
         if resize not in ("squash", "letterbox"):
             raise ValueError(f"unknown resize mode {resize!r}; choose squash or letterbox")
@@ -182,19 +231,28 @@ class SampleProcessor:
         self.resize = resize
         self.max_image_pixels = max_image_pixels
         self._text = plain_text_tokenizer(tokenizer)  # content text is plain text (no special tokens, no padding)
-        ids = {t: tokenizer.convert_tokens_to_ids(t) for t in (IM_START, IM_END, IMAGE_TOKEN)}
-        missing = [t for t, i in ids.items() if i is None or i == tokenizer.unk_token_id]
-        if missing:
-            raise ValueError(
-                f"tokenizer lacks special tokens {missing}; load it with nanovlm.data.tokenizer.load_tokenizer"
-            )
-        self.im_start_id, self.im_end_id, self.image_token_id = ids[IM_START], ids[IM_END], ids[IMAGE_TOKEN]
+        self._ids = self._special_ids(tokenizer, (IM_START, IM_END, IMAGE_TOKEN) + (SPLIT_TOKENS if max_tiles else ()))
+        self.im_start_id, self.im_end_id, self.image_token_id = (self._ids[t] for t in (IM_START, IM_END, IMAGE_TOKEN))
         # Prompts repeat across a dataset ("Describe the image.", the demo's questions): one tokenizer call
         # costs ~20 us, a dict hit well under 1. Short pieces only, and the first CACHED_PIECES distinct ones
         # (a plain dict: picklable, no eviction work), so memory stays under ~4 MB.
         self._piece_ids: dict[str, tuple[int, ...]] = {}
         self._newline = self._encode_text("\n")
         self._headers: dict[str, list[int]] = {}
+        self._grid_ids: dict[tuple[int, int], tuple[int, ...]] = {}
+        nl2 = len(self._encode_text("\n\n"))
+        self.layout = ImageLayout(image_size, image_token_count, max_tiles, len(self._newline), nl2)
+
+    @staticmethod
+    def _special_ids(tokenizer, tokens: Sequence[str]) -> dict[str, int]:
+        ids = {t: tokenizer.convert_tokens_to_ids(t) for t in tokens}
+        missing = [t for t, i in ids.items() if i is None or i == tokenizer.unk_token_id]
+        if missing:
+            raise ValueError(
+                f"tokenizer lacks special tokens {missing[:4]}{' ...' if len(missing) > 4 else ''}; load it with "
+                "nanovlm.data.tokenizer.load_tokenizer (image_splitting=True adds the grid markers)"
+            )
+        return ids
 
     def _encode_text(self, text: str) -> tuple[int, ...]:
         """Token ids of plain text (special-token strings inside it stay text)."""
@@ -212,32 +270,96 @@ class SampleProcessor:
             self._headers[role] = [self.im_start_id, *self._encode_text(role + "\n")]
         return self._headers[role]
 
-    def _content(self, content: str, per_image: int) -> tuple[list[int], list[bool]]:
-        """Content ids and a mask of which are image tokens."""
+    # ---- images ------------------------------------------------------------------------------------------
+
+    def image_ids(self, grid: tuple[int, int] = NO_SPLIT) -> tuple[int, ...]:
+        """The token ids standing for one image with this grid (tiling.py's layout; NO_SPLIT: plain tokens)."""
+        if grid not in self._grid_ids:  # at most 1 + (grids of <= 36 tiles) entries
+            self._grid_ids[grid] = self._layout_ids(grid)
+        return self._grid_ids[grid]
+
+    def _layout_ids(self, grid: tuple[int, int]) -> tuple[int, ...]:
+        image = (self.image_token_id,) * self.image_token_count
+        if grid == NO_SPLIT:
+            return image
+        mark, glob = self._ids[TILE_MARKER], self._ids[GLOBAL_MARKER]
+        whole = (mark, glob, *image, mark)
+        rows, cols = grid
+        if rows * cols == 1:
+            return whole
         ids: list[int] = []
-        is_image: list[bool] = []
+        for r in range(1, rows + 1):
+            for c in range(1, cols + 1):
+                ids += (mark, self._ids[position_marker(r, c)], *image)
+            ids += self._newline if r < rows else self._encode_text("\n\n")
+        return (*ids, *whole)
+
+    def grid(self, data: bytes, key: str = "") -> tuple[int, int]:
+        """An image's grid from its header alone (NO_SPLIT without splitting)."""
+        if not self.layout.splitting:
+            return NO_SPLIT
+        size = upright_size(open_checked(data, self.max_image_pixels, key))
+        return tuple(int(x) for x in self.layout.grids(np.asarray([size]))[0])
+
+    def _views(self, data: bytes, grid: tuple[int, int], key: str) -> list[Image.Image]:
+        """Image bytes -> its image_size x image_size views (one without splitting)."""
+        rows, cols = grid
+        draft = self.image_size * max(1, rows, cols)  # JPEG may decode at a scale that still covers the canvas
+        img = decode_image(data, self.max_image_pixels, draft_size=draft, key=key)
+        if grid == NO_SPLIT:
+            return [resize_image(img, self.image_size, self.resize)]
+        return split_image(img, grid, self.image_size, self.resize)
+
+    def images(
+        self, datas: Sequence[bytes], key: str = "", grids: Sequence[tuple[int, int]] | None = None
+    ) -> torch.Tensor:
+        """The images of one sample -> uint8 [n_views, 3, S, S] (every image's views in order; [0, 3, S, S] for none)."""
+        if not datas:
+            return torch.zeros(0, 3, self.image_size, self.image_size, dtype=torch.uint8)
+        grids = [self.grid(b, key) for b in datas] if grids is None else grids
+        return images_to_tensor([v for b, g in zip(datas, grids) for v in self._views(b, g, key)])
+
+    def image(self, data: bytes, key: str = "") -> torch.Tensor:
+        """Image bytes -> uint8 [3, S, S]: the first (without splitting: the only) view."""
+        return self.images([data], key)[0]
+
+    # ---- text --------------------------------------------------------------------------------------------
+
+    def _content(self, content: str, images: Iterator[Sequence[int]]) -> tuple[list[int], list[tuple[int, int]]]:
+        """Content ids (each ``<image>`` replaced by the next of ``images``) and each image's (start, end)."""
+        ids: list[int] = []
+        spans: list[tuple[int, int]] = []
         for i, piece in enumerate(content.split(IMAGE_TOKEN)):
             if i > 0:
-                ids += [self.image_token_id] * per_image
-                is_image += [True] * per_image
-            piece_ids = self._encode_text(piece)
-            ids += piece_ids
-            is_image += [False] * len(piece_ids)
-        return ids, is_image
+                image = next(images)
+                spans.append((len(ids), len(ids) + len(image)))
+                ids += image
+            ids += self._encode_text(piece)
+        return ids, spans
 
-    def encode(self, messages: list[dict], per_image: int | None = None) -> tuple[list[int], list[int]]:
-        """(input_ids, labels) of a whole conversation; each ``<image>`` becomes ``per_image`` image tokens."""
-        per_image = self.image_token_count if per_image is None else per_image
+    def _encode(
+        self, messages: list[dict], image_ids: Sequence[Sequence[int]] | None
+    ) -> tuple[list[int], list[int], list[tuple[int, int]]]:
+        """(input_ids, labels, each image's (start, end) in them); see ``encode``."""
+        if image_ids is None:
+            n = sum(m["content"].count(IMAGE_TOKEN) for m in messages)
+            image_ids = [self.image_ids()] * n
+        images = iter(image_ids)
         ids: list[int] = []
         labels: list[int] = []
+        spans: list[tuple[int, int]] = []
         for m in messages:
             header = self._header(m["role"])
-            content, is_image = self._content(m["content"], per_image)
             ids += header
             labels += [IGNORE_INDEX] * len(header)
+            content, content_spans = self._content(m["content"], images)
+            spans += [(len(ids) + a, len(ids) + b) for a, b in content_spans]
             ids += content
             if m["role"] == "assistant":
-                labels += [IGNORE_INDEX if im else t for t, im in zip(content, is_image)]
+                masked = list(content)
+                for a, b in content_spans:
+                    masked[a:b] = [IGNORE_INDEX] * (b - a)
+                labels += masked
                 labels.append(self.im_end_id)
             else:
                 labels += [IGNORE_INDEX] * len(content)
@@ -245,15 +367,24 @@ class SampleProcessor:
             ids.append(self.im_end_id)
             ids += self._newline
             labels += [IGNORE_INDEX] * len(self._newline)
+        return ids, labels, spans
+
+    def encode(
+        self, messages: list[dict], image_ids: Sequence[Sequence[int]] | None = None
+    ) -> tuple[list[int], list[int]]:
+        """(input_ids, labels) of a whole conversation; the i-th ``<image>`` becomes ``image_ids[i]``
+        (default: ``image_token_count`` image tokens each, the unsplit layout)."""
+        ids, labels, _ = self._encode(messages, image_ids)
         return ids, labels
 
-    def prompt_ids(self, messages: list[dict]) -> list[int]:
-        """Ids to generate the next assistant turn from: the conversation, then ``<|im_start|>assistant\\n``.
-
-        Images are expanded to ``image_token_count`` tokens, as in training.
-        """
-        ids, _ = self.encode(messages)
-        return ids + self._header("assistant")
+    def prompt(
+        self, messages: list[dict], images: Sequence[bytes] = (), key: str = ""
+    ) -> tuple[list[int], torch.Tensor]:
+        """(ids, pixel values) to generate the next assistant turn from: the conversation with its images laid out
+        as in training, then ``<|im_start|>assistant\\n``."""
+        grids = [self.grid(b, key) for b in images]
+        ids, _ = self.encode(messages, [self.image_ids(g) for g in grids] if images else None)
+        return ids + self._header("assistant"), self.images(images, key, grids)
 
     def text_tokens(self, messages: list[dict]) -> int:
         """Token count with each ``<image>`` counted as one token (the index's ``text_tokens``)."""
@@ -266,24 +397,12 @@ class SampleProcessor:
         ``overlength="truncate"``, the planner can tell in advance that a cut would leave no answer (the sample
         is then skipped at planning time instead of leaving an empty pack behind at read time).
         """
-        ids, labels = self.encode(messages, per_image=1)
+        n = sum(m["content"].count(IMAGE_TOKEN) for m in messages)
+        ids, labels, spans = self._encode(messages, [(self.image_token_id,)] * n)
         first = next((i for i, label in enumerate(labels) if label != IGNORE_INDEX), len(labels))
-        return len(ids), first, ids[:first].count(self.image_token_id)
+        return len(ids), first, sum(1 for a, _ in spans if a < first)
 
-    def image(self, data: bytes, key: str = "") -> torch.Tensor:
-        """Image bytes -> uint8 [3, image_size, image_size]."""
-        return self.images([data], key)[0]
-
-    def images(self, datas: Sequence[bytes], key: str = "") -> torch.Tensor:
-        """The images of one sample -> uint8 [n, 3, image_size, image_size] ([0, 3, S, S] for none)."""
-        if not datas:
-            return torch.zeros(0, 3, self.image_size, self.image_size, dtype=torch.uint8)
-        return images_to_tensor([self._pil_image(b, key) for b in datas])
-
-    def _pil_image(self, data: bytes, key: str) -> Image.Image:
-        """Image bytes -> decoded RGB PIL image resized to image_size x image_size."""
-        img = decode_image(data, self.max_image_pixels, draft_size=self.image_size, key=key)
-        return resize_image(img, self.image_size, self.resize)
+    # ---- samples -----------------------------------------------------------------------------------------
 
     def process(self, record: Record, max_tokens: int | None = None, overlength: str = "drop") -> ProcessedSample:
         """Record -> ProcessedSample. Raises SampleError for bad images, placeholder mismatch and over-length.
@@ -299,25 +418,15 @@ class SampleProcessor:
             raise SampleError(
                 "image_count_mismatch", record.key, f"{n_placeholders} placeholders, {len(record.images)} images"
             )
-        ids, labels = self.encode(record.messages)
+        grids = [self.grid(b, record.key) for b in record.images]
+        ids, labels, spans = self._encode(record.messages, [self.image_ids(g) for g in grids])
         n_images = len(record.images)
         truncated = False
         if max_tokens is not None and len(ids) > max_tokens:
             if overlength == "drop":
                 raise SampleError("overlength", record.key, f"{len(ids)} tokens > max_tokens={max_tokens}")
-            cut = max_tokens
-            n_images = 0
-            pos = 0
-            while pos < cut:  # walk image spans: keep the ones that end before the cut
-                if ids[pos] == self.image_token_id:
-                    end = pos + self.image_token_count
-                    if end > cut:
-                        cut = pos
-                        break
-                    n_images += 1
-                    pos = end
-                else:
-                    pos += 1
+            n_images = sum(1 for _, end in spans if end <= max_tokens)  # images that end before the cut stay
+            cut = min(max_tokens, spans[n_images][0]) if n_images < len(spans) else max_tokens
             ids, labels = ids[:cut], labels[:cut]
             truncated = True
             if all(label == IGNORE_INDEX for label in labels):
@@ -326,6 +435,6 @@ class SampleProcessor:
             key=record.key,
             input_ids=long_tensor(ids),
             labels=long_tensor(labels),
-            pixel_values=self.images(record.images[:n_images], record.key),
+            pixel_values=self.images(record.images[:n_images], record.key, grids[:n_images]),
             truncated=truncated,
         )

@@ -33,6 +33,7 @@ import numpy as np
 from nanovlm.config import DataConfig
 from nanovlm.data import packing
 from nanovlm.data.index import DatasetIndex
+from nanovlm.data.tiling import ImageLayout, as_layout
 
 
 class PlanError(ValueError):
@@ -49,7 +50,7 @@ class SampleTable:
     """
 
     length: np.ndarray  # int32 [N] total tokens (text + image tokens) for the run's model
-    n_images: np.ndarray  # int32 [N]
+    n_images: np.ndarray  # int32 [N] encoder inputs (what data.max_images counts): images, or tiles with splitting
     prompt: np.ndarray  # int32 [N] tokens before the first loss token (image-expanded)
     shard_start: np.ndarray  # int64 [n_shards + 1]: shard i holds gids shard_start[i]:shard_start[i + 1]
     shard_paths: list[str]  # [n_shards] absolute shard paths
@@ -58,6 +59,7 @@ class SampleTable:
     dataset_names: list[str]  # [n_dirs] the directories as given
     fingerprints: list[str]  # [n_dirs] content hash of each directory's index
     indexes: list[DatasetIndex]  # [n_dirs] where keys and byte ranges are looked up
+    vision_unit: str = "images"  # what n_images counts: "images", or "tiles" with image splitting
 
     def __len__(self) -> int:
         return len(self.length)
@@ -101,8 +103,10 @@ class SampleTable:
         )
 
     @classmethod
-    def from_indexes(cls, datasets: Sequence[tuple[str, DatasetIndex]], image_token_count: int) -> SampleTable:
-        """Build from ``[(directory name, its index), ...]``, in that order."""
+    def from_indexes(cls, datasets: Sequence[tuple[str, DatasetIndex]], layout: ImageLayout | int) -> SampleTable:
+        """Build from ``[(directory name, its index), ...]``, in that order, for the run's image ``layout``
+        (an int: that many tokens per image, no splitting)."""
+        layout = as_layout(layout)
 
         def cat(parts: list[np.ndarray], dtype: type) -> np.ndarray:
             if len(parts) == 1 and parts[0].dtype == dtype:
@@ -113,9 +117,9 @@ class SampleTable:
         sizes = [idx.num_samples for idx in idxs]
         shard_counts = [s.num_samples for idx in idxs for s in idx.shards]
         return cls(
-            length=cat([i.total_tokens(image_token_count, np.int32) for i in idxs], np.int32),
-            n_images=cat([i.columns["n_images"] for i in idxs], np.int32),
-            prompt=cat([i.prompt_lengths(image_token_count, np.int32) for i in idxs], np.int32),
+            length=cat([i.total_tokens(layout, np.int32) for i in idxs], np.int32),
+            n_images=cat([i.vision_inputs(layout) for i in idxs], np.int32),
+            prompt=cat([i.prompt_lengths(layout, np.int32) for i in idxs], np.int32),
             shard_start=np.concatenate([[0], np.cumsum(shard_counts, dtype=np.int64)]).astype(np.int64),
             shard_paths=[str(idx.shard_path(s).resolve()) for idx in idxs for s in idx.shards],
             shard_dataset=np.asarray([d for d, idx in enumerate(idxs) for _ in idx.shards], np.int32),
@@ -123,6 +127,7 @@ class SampleTable:
             dataset_names=[name for name, _ in datasets],
             fingerprints=[idx.content_hash[:16] for idx in idxs],
             indexes=idxs,
+            vision_unit=layout.unit,
         )
 
 
@@ -357,6 +362,7 @@ def plan_order(
         eff[lo:hi] = res.lengths
         truncated += len(res.truncated)
         for reason, idx in res.skipped.items():
+            reason = "too_many_tiles" if reason == "too_many_images" and table.vision_unit == "tiles" else reason
             skipped.setdefault(reason, []).append(np.asarray(idx, np.int64) + lo)
         per_slot.append([np.asarray(p, np.int64) + lo for p in res.packs])
     skips = {r: np.concatenate(v) for r, v in skipped.items()}
@@ -402,8 +408,8 @@ def _no_pack_message(epoch: int, n: int, topology: Topology, skips: dict[str, np
         fixes = []
         if "overlength" in skips:
             fixes.append("raise data.max_tokens or set data.overlength=truncate")
-        if "too_many_images" in skips:
-            fixes.append("raise data.max_images")
+        if "too_many_images" in skips or "too_many_tiles" in skips:
+            fixes.append("raise data.max_images (or, for tiles, lower model.vision.max_tiles)")
         if "empty" in skips:
             fixes.append("re-prepare the data: its index has samples without tokens")
         return (

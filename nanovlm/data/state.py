@@ -23,6 +23,7 @@ import numpy as np
 
 from nanovlm.config import DataConfig
 from nanovlm.data.shards import ConsumedPart, EpochPlan, PackSpec, SampleTable, Topology
+from nanovlm.data.tiling import ImageLayout
 
 log = logging.getLogger(__name__)
 STATE_VERSION = 1
@@ -97,7 +98,7 @@ class DataState:
         return out
 
 
-def fingerprint(cfg: DataConfig, spec: PackSpec, table: SampleTable, image_token_count: int) -> dict[str, Any]:
+def fingerprint(cfg: DataConfig, spec: PackSpec, table: SampleTable, layout: ImageLayout) -> dict[str, Any]:
     """Everything the epoch order depends on. Under truncation that includes which samples are skipped because
     their prompt alone fills the limit (the index's prompt columns decide it: the dataset hashes cover them,
     but this names the effect for this run's limit), named by a hash of their rows."""
@@ -107,8 +108,10 @@ def fingerprint(cfg: DataConfig, spec: PackSpec, table: SampleTable, image_token
         "weights": [float(w) for w in cfg.train_weights] or [1.0] * len(table.fingerprints),
         "packing": dataclasses.asdict(spec),
         "shuffle_buffer": cfg.shuffle_buffer,
-        "image_token_count": image_token_count,
+        "image_token_count": layout.tokens_per_tile,
     }
+    if layout.splitting:  # lengths follow the grids (recorded only then: unsplit states keep their keys)
+        out["image_splitting"] = {"image_size": layout.image_size, "max_tiles": layout.max_tiles}
     if spec.overlength == "truncate":
         prompt_only = np.flatnonzero((table.length > spec.limit) & (table.prompt >= spec.limit))
         out["prompt_only_skips"] = hashlib.sha1(prompt_only.astype(np.int64).tobytes()).hexdigest()[:16]

@@ -2,7 +2,8 @@
 
 The model needs five special tokens: ``<image>`` (placeholder, expanded to the image's tokens during
 processing), ``<|im_start|>`` / ``<|im_end|>`` (ChatML turns), ``<|pad|>`` and ``<|endoftext|>``.
-``load_tokenizer`` adds whichever a hub tokenizer lacks, so any causal-LM tokenizer works.
+``load_tokenizer`` adds whichever a hub tokenizer lacks, so any causal-LM tokenizer works. With image splitting
+it also adds the grid markers (``tiling.SPLIT_TOKENS``, as SmolVLM's tokenizer has them).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from pathlib import Path
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from nanovlm.constants import IMAGE_TOKEN
+from nanovlm.data.tiling import SPLIT_TOKENS
 
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
@@ -33,10 +35,11 @@ CHAT_TEMPLATE = (
 )
 
 
-def _ensure_special_tokens(tok: PreTrainedTokenizerBase) -> PreTrainedTokenizerBase:
+def _ensure_special_tokens(tok: PreTrainedTokenizerBase, image_splitting: bool) -> PreTrainedTokenizerBase:
     """Add missing special tokens, set pad/eos, and a ChatML chat template when the tokenizer has none."""
     vocab = tok.get_vocab()
-    missing = [t for t in SPECIAL_TOKENS if t not in vocab]
+    wanted = SPECIAL_TOKENS + (SPLIT_TOKENS if image_splitting else ())
+    missing = [t for t in wanted if t not in vocab]
     if missing:
         tok.add_special_tokens({"additional_special_tokens": missing})
     if tok.pad_token is None or tok.pad_token_id is None:
@@ -48,8 +51,9 @@ def _ensure_special_tokens(tok: PreTrainedTokenizerBase) -> PreTrainedTokenizerB
     return tok
 
 
-def load_tokenizer(name_or_path: str | os.PathLike) -> PreTrainedTokenizerBase:
-    """A local tokenizer directory or a hub id (hub ids need network) with the special tokens the model needs."""
+def load_tokenizer(name_or_path: str | os.PathLike, image_splitting: bool = False) -> PreTrainedTokenizerBase:
+    """A local tokenizer directory or a hub id (hub ids need network) with the special tokens the model needs
+    (and the grid markers, for ``model.vision.image_splitting``)."""
     path = Path(name_or_path)
     looks_like_hub_id = len(path.parts) == 2 and not str(name_or_path).startswith((".", "/"))
     if not path.exists() and not looks_like_hub_id:
@@ -59,7 +63,7 @@ def load_tokenizer(name_or_path: str | os.PathLike) -> PreTrainedTokenizerBase:
             "HuggingFaceTB/SmolLM2-135M-Instruct)"
         )
     tok = AutoTokenizer.from_pretrained(str(name_or_path))
-    return _ensure_special_tokens(tok)
+    return _ensure_special_tokens(tok, image_splitting)
 
 
 def build_tokenizer(
@@ -133,13 +137,16 @@ def tokenizer_fingerprint(tok: PreTrainedTokenizerBase) -> str:
     Stored in a dataset index: token lengths in an index are only valid for the tokenizer that counted them.
     The probe catches tokenizers with the same vocabulary that count differently (another pre-tokenizer,
     normalizer or merge list). (The value's layout, a hash of the vocabulary hash and the probe ids behind
-    ``2-``, is what every index written so far stores.)
+    ``2-``, is what every index written so far stores.) The grid markers are left out: they are special tokens
+    appended to the vocabulary, which changes no count of content text, so one prepared dataset serves runs
+    with and without image splitting.
     """
+    markers = set(SPLIT_TOKENS)
     vocab = _hash(
         {
-            "vocab": sorted(tok.get_vocab().items()),
+            "vocab": sorted(kv for kv in tok.get_vocab().items() if kv[0] not in markers),
             "special": sorted(
-                (t, tok.convert_tokens_to_ids(t)) for t in set(tok.all_special_tokens) | set(SPECIAL_TOKENS)
+                (t, tok.convert_tokens_to_ids(t)) for t in (set(tok.all_special_tokens) | set(SPECIAL_TOKENS)) - markers
             ),
             "chat_template": getattr(tok, "chat_template", None) or "",
         }

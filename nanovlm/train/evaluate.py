@@ -138,8 +138,9 @@ def evaluate_answers(
     try:
         for record in iter_answered_records(directories, limit, skipped):
             try:
-                prompt = torch.tensor([processor.prompt_ids(record.messages[:-1])], device=device)
-                pixels = processor.images(record.images, record.key).to(device) if record.images else None
+                ids, pixels = processor.prompt(record.messages[:-1], record.images, record.key)
+                prompt = torch.tensor([ids], device=device)
+                pixels = pixels.to(device) if record.images else None
             except SampleError as e:
                 _skip(skipped, e, record.key)
                 continue

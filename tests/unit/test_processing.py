@@ -100,9 +100,9 @@ def test_cached_piece_encodings_equal_fresh_ones_and_the_cache_is_bounded(tiny_t
     assert long_text not in cached._piece_ids
 
 
-def test_prompt_ids_end_with_assistant_header(proc, tiny_tokenizer):
+def test_prompt_ends_with_assistant_header(proc, tiny_tokenizer):
     msgs = conv("<image>what?", "x")[:1]
-    ids = proc.prompt_ids(msgs)
+    ids, _ = proc.prompt(msgs)
     text = tiny_tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
     assert ids == tiny_tokenizer(text.replace("<image>", "<image>" * IMG_TOKENS), add_special_tokens=False)["input_ids"]
 

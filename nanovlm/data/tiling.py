@@ -1,0 +1,157 @@
+"""Image splitting: how an image of (width, height) becomes vision-encoder tiles and decoder tokens.
+
+With ``model.vision.image_splitting`` an image is shown to the encoder as a grid of ``image_size`` tiles plus
+one downscaled global view, so a large or elongated image gets as many encoder inputs as its size needs.
+
+**Grid rule.** Among the grids of ``rows x cols`` tiles with ``rows * cols <= max_tiles`` (and each side at most
+``MAX_GRID_SIDE``, the markers a tokenizer carries), take the one that shows the image at the highest
+resolution not above its own, and among those the one with the fewest tiles (then the fewest rows). The image
+is shown in a grid at scale ``min(cols * S / width, rows * S / height)``; capped at 1, squared and times the
+pixel count, that is the resolution the grid keeps. An image no larger than one tile therefore gets 1 x 1,
+a 4:1 strip ``1 x 4`` (when ``max_tiles >= 4``), and a large photo the grid closest to its aspect that the
+budget allows. The image is resized with its aspect kept to fill the grid as far as the aspect allows, centred
+on a grey canvas of ``cols * S x rows * S``, and cut into tiles row by row.
+
+**Tokens.** Each tile becomes ``tokens_per_tile`` ``<image>`` tokens, framed by markers as Idefics3 / SmolVLM
+frame them (so their checkpoints read our sequences)::
+
+    grid 1 x 1:   <fake_token_around_image><global-img> <image>*n <fake_token_around_image>
+    grid r x c:   for each row:  (<fake_token_around_image><row_i_col_j> <image>*n) per column, then "\\n"
+                  then "\\n" <fake_token_around_image><global-img> <image>*n <fake_token_around_image>
+
+(the last row's "\\n" and the one before the global view are one "\\n\\n" piece of text). A grid of one tile
+has no separate global view: that tile is the whole image. An image's tile count and token count are pure
+functions of its (width, height), so the index's stored sizes give every sample's length without decoding.
+
+Without splitting an image is one ``image_size`` square of ``tokens_per_tile`` tokens and no markers.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import numpy as np
+
+MAX_GRID_SIDE = 6  # rows and columns a grid may have: the <row_i_col_j> markers SmolVLM's tokenizer carries
+TILE_MARKER = "<fake_token_around_image>"
+GLOBAL_MARKER = "<global-img>"
+NO_SPLIT = (0, 0)  # the grid of an image that is not split (one squashed or letterboxed view, no markers)
+
+
+def position_marker(row: int, col: int) -> str:
+    """The marker before the tile at (row, col), both counted from 1."""
+    return f"<row_{row}_col_{col}>"
+
+
+SPLIT_TOKENS = (
+    TILE_MARKER,
+    GLOBAL_MARKER,
+    *(position_marker(r, c) for r in range(1, MAX_GRID_SIDE + 1) for c in range(1, MAX_GRID_SIDE + 1)),
+)
+
+
+@functools.cache
+def candidate_grids(max_tiles: int) -> np.ndarray:
+    """[K, 2] (rows, cols) of every grid the rule may choose, fewest tiles first, then fewest rows."""
+    grids = [
+        (r, c) for r in range(1, MAX_GRID_SIDE + 1) for c in range(1, MAX_GRID_SIDE + 1) if r * c <= max(1, max_tiles)
+    ]
+    grids.sort(key=lambda g: (g[0] * g[1], g[0]))
+    return np.asarray(grids, np.int64)
+
+
+def choose_grids(sizes: np.ndarray, image_size: int, max_tiles: int, chunk: int = 1 << 16) -> np.ndarray:
+    """[M, 2] (width, height) -> [M, 2] (rows, cols) by the grid rule (see the module docstring).
+
+    Integer arithmetic only: the resolution a grid keeps is ``min(cols*S*h, rows*S*w, w*h) / (w*h)``, so
+    comparing the numerators ranks the grids of one image exactly. Sizes repeat (a dataset has far fewer
+    distinct sizes than images), so the rule runs once per distinct size.
+    """
+    sizes = np.asarray(sizes, np.int64).reshape(-1, 2)
+    if len(sizes) == 0:
+        return np.zeros((0, 2), np.int64)
+    if (sizes <= 0).any():
+        raise ValueError(f"image sizes must be positive, got {sizes[(sizes <= 0).any(axis=1)][0].tolist()}")
+    distinct, inverse = np.unique(sizes, axis=0, return_inverse=True)
+    grids = candidate_grids(max_tiles)  # [K, 2], in tie-break order
+    rows, cols = grids[:, 0], grids[:, 1]
+    out = np.empty_like(distinct)
+    for lo in range(0, len(distinct), chunk):
+        w = distinct[lo : lo + chunk, :1]  # [U, 1]
+        h = distinct[lo : lo + chunk, 1:]
+        kept = np.minimum(np.minimum(cols * image_size * h, rows * image_size * w), w * h)  # [U, K]
+        out[lo : lo + chunk] = grids[np.argmax(kept, axis=1)]  # argmax takes the first best: the tie-break order
+    return out[inverse.reshape(-1)]
+
+
+def grid_tiles(grids: np.ndarray) -> np.ndarray:
+    """[M, 2] grids -> [M] encoder inputs: rows*cols, plus the global view when that is more than one tile."""
+    n = grids[:, 0] * grids[:, 1]
+    return n + (n > 1)
+
+
+@dataclass(frozen=True)
+class ImageLayout:
+    """How many tiles and tokens each image costs: the fact that planning, processing and the model share.
+
+    ``max_tiles == 0`` means no splitting: every image is one tile of ``tokens_per_tile`` tokens.
+    ``newline_tokens`` / ``double_newline_tokens`` are the tokenizer's counts for "\\n" and "\\n\\n" (split
+    grids contain both, see the module docstring).
+    """
+
+    image_size: int
+    tokens_per_tile: int
+    max_tiles: int = 0
+    newline_tokens: int = 1
+    double_newline_tokens: int = 1
+
+    @property
+    def splitting(self) -> bool:
+        return self.max_tiles > 0
+
+    @property
+    def unit(self) -> str:
+        """What data.max_images counts: images, or tiles with splitting."""
+        return "tiles" if self.splitting else "images"
+
+    def grids(self, sizes: np.ndarray) -> np.ndarray:
+        """[M, 2] (width, height) -> [M, 2] (rows, cols); NO_SPLIT rows without splitting."""
+        sizes = np.asarray(sizes, np.int64).reshape(-1, 2)
+        if not self.splitting:
+            return np.zeros_like(sizes)
+        return choose_grids(sizes, self.image_size, self.max_tiles)
+
+    def grid_tokens(self, grids: np.ndarray) -> np.ndarray:
+        """[M, 2] grids -> [M] decoder tokens of each image, markers included."""
+        if not self.splitting:
+            return np.full(len(grids), self.tokens_per_tile, np.int64)
+        n = grids[:, 0] * grids[:, 1]
+        per_tile = self.tokens_per_tile + 2  # <fake_token_around_image><row_i_col_j> + the tile's tokens
+        split = n * per_tile + (grids[:, 0] - 1) * self.newline_tokens + self.double_newline_tokens
+        single = self.tokens_per_tile + 3  # <fake_token_around_image><global-img> ... <fake_token_around_image>
+        return np.where(n > 1, split + single, single)
+
+    def costs(self, sizes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """[M, 2] (width, height) -> ([M] tiles, [M] tokens) per image."""
+        grids = self.grids(sizes)
+        tiles = grid_tiles(grids) if self.splitting else np.ones(len(grids), np.int64)
+        return tiles, self.grid_tokens(grids)
+
+
+def as_layout(layout: ImageLayout | int) -> ImageLayout:
+    """An ImageLayout, or an int read as that many tokens per image without splitting (image_size unused)."""
+    return layout if isinstance(layout, ImageLayout) else ImageLayout(image_size=0, tokens_per_tile=int(layout))
+
+
+def layout_for(model_cfg, tokenizer) -> ImageLayout:
+    """The layout a model config implies; the tokenizer gives the newline counts that split grids contain."""
+    from nanovlm.config import image_token_count
+    from nanovlm.data.tokenizer import plain_text_tokenizer
+
+    vision = model_cfg.vision
+    if not vision.image_splitting:
+        return ImageLayout(vision.image_size, image_token_count(model_cfg))
+    text = plain_text_tokenizer(tokenizer)
+    nl, nl2 = (len(text.encode(t, add_special_tokens=False).ids) for t in ("\n", "\n\n"))
+    return ImageLayout(vision.image_size, image_token_count(model_cfg), vision.max_tiles, nl, nl2)
