@@ -44,7 +44,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise SystemExit(f"error: no checkpoint in {checkpoint_dir(cfg)}; give one with --checkpoint")
     if not ckpt.is_file():
         raise SystemExit(f"error: --checkpoint {ckpt}: no such checkpoint file")
-    tokenizer = load_tokenizer(cfg.data.tokenizer)
+    tokenizer = load_tokenizer(cfg.data.tokenizer, cfg.model.vision.image_splitting)
     # the checkpoint holds every weight: no pretrained checkpoint is read (nor downloaded) again
     model_cfg = dataclasses.replace(cfg.model, vision_checkpoint=None, language_checkpoint=None, vlm_checkpoint=None)
     module = VLMModule(dataclasses.replace(cfg, model=model_cfg), tokenizer, model=build_model(model_cfg, tokenizer))
