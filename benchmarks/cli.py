@@ -23,8 +23,8 @@ from typing import Any
 from benchmarks.common import machine_description
 from benchmarks.scale import parse_size
 
-SECTIONS = ("packing", "pipeline", "train", "resume", "scale")
-DEFAULT_SECTIONS = SECTIONS[:4]  # scale writes GBs of synthetic index: asked for by name
+SECTIONS = ("packing", "pipeline", "train", "resume", "scale", "tiles")
+DEFAULT_SECTIONS = SECTIONS[:4]  # scale writes GBs of synthetic index, tiles is a packing variant: asked for by name
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -83,6 +83,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=parse_size,
         default="10M",
         help="scale section: largest index to plan the epoch for (above it the plan does not fit this machine)",
+    )
+    p.add_argument(
+        "--tiles-samples",
+        type=int,
+        default=0,
+        help="tiles section: samples per distribution (20000; 2000 with --quick)",
     )
     p.add_argument("--real-shards", default="", help="scale section: shards to time prepare_data on (default: demo)")
     p.add_argument("--workdir", default="runs/bench", help="scratch directory (demo data copies, checkpoints)")
@@ -192,6 +198,11 @@ def run_section(name: str, args: argparse.Namespace) -> tuple[dict[str, Any], st
 
         result = resume.measure(args, log=_log)
         return result.to_json(), report.render_resume(result)
+    if name == "tiles":
+        from benchmarks import tiles
+
+        result = tiles.measure(args, log=_log)
+        return result.to_json(), report.render_tiles(result)
     if name == "scale":
         from benchmarks import scale
 

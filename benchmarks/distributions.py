@@ -55,8 +55,9 @@ class LengthSet:
 def from_index(directory: str | Path, image_token_count: int | None = None, name: str | None = None) -> LengthSet:
     """Lengths of every sample of a dataset directory, read from its index (no shard is opened).
 
-    Total tokens = text_tokens + n_images * (image_token_count - 1), the same formula the packer uses;
-    ``image_token_count`` defaults to the value the index was prepared with.
+    Total tokens = text_tokens + n_images * (image_token_count - 1), what the packer plans without image
+    splitting (``benchmarks/tiles.py`` covers splitting); ``image_token_count`` defaults to the value the index
+    was prepared with.
     """
     from nanovlm.data.index import load_index
 

@@ -158,12 +158,20 @@ def _strategies(
     max_carry: int,
     mmdp_variants: tuple[tuple[int, int], ...],
     seed: int,
+    max_images_per_example: int = 4,
 ) -> list[tuple[Callable[[], StepPlan], bool]]:
     """Every strategy but FFD, in report order, as (plan it, whether its planning time is the cost to report)."""
 
     def knapsack(nb: int, dl: int) -> Callable[[], StepPlan]:
         return lambda: balanced_greedy_knapsack(
-            ls.lengths, ls.n_images, L, num_sequences=nb, delta=dl, max_images_per_knapsack=max_images, seed=seed
+            ls.lengths,
+            ls.n_images,
+            L,
+            num_sequences=nb,
+            delta=dl,
+            max_images_per_knapsack=max_images,
+            max_images_per_example=max_images_per_example,
+            seed=seed,
         )
 
     batch, cutoff = bounds.batch, bounds.cutoff
@@ -202,12 +210,16 @@ def run_cell(
     reps: int = 5,
     mmdp_variants: tuple[tuple[int, int], ...] = ((8, 5), (1024, 5), (8, 0)),
     seed: int = 0,
+    max_images_per_example: int = 4,
 ) -> dict[str, Any]:
-    """All strategies on one distribution at one budget. Returns the bound, FFD fill and a row per strategy."""
+    """All strategies on one distribution at one budget. Returns the bound, FFD fill and a row per strategy.
+    ``max_images_per_example``: the knapsack baseline's per-sample image filter (its published default: 4)."""
     bounds = cell_bounds(ls, L, max_images)
     ffd_plan = ffd(ls, L, max_images)
     ffd_fill = sum(ffd_plan.tokens) / max(1, sum(ffd_plan.slots))
-    strategies = _strategies(ls, L, bounds, max_images, lookahead, max_carry, mmdp_variants, seed)
+    strategies = _strategies(
+        ls, L, bounds, max_images, lookahead, max_carry, mmdp_variants, seed, max_images_per_example
+    )
     rows = [_strategy_row(fn, timed, ls, L, bounds, ffd_fill, reps) for fn, timed in strategies]
     ffd_row = plan_metrics(ffd_plan, ls, L, bounds.bound_fill, ffd_fill)
     n, ffd_reps = len(ls.lengths), max(1, min(reps, 3))

@@ -296,7 +296,7 @@ def measure(args: argparse.Namespace, log=print) -> PipelineResult:
     cfg = data_config(args, 0)
     if not args.data:
         demo_dirs(cfg)
-    tokenizer = load_tokenizer(args.tokenizer or cfg.data.tokenizer)
+    tokenizer = load_tokenizer(args.tokenizer or cfg.data.tokenizer, cfg.model.vision.image_splitting)
     log(f"[pipeline] stage breakdown over {plan.stage_samples} samples of {list(cfg.data.train)}")
     stages = stage_breakdown(cfg, tokenizer, plan.stage_samples, args.reps)
     raw_stage = raw_wds_stage(cfg, plan.stage_samples, args.reps)

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from benchmarks.pipeline import PipelineResult
     from benchmarks.resume import ResumeResult
     from benchmarks.scale import ScaleResult
+    from benchmarks.tiles import TilesResult
     from benchmarks.train import TrainResult
 
 
@@ -313,6 +314,26 @@ def render_resume(result: ResumeResult) -> str:
         f"Late vs fresh (data s): {100 * result.growth:+.0f}% (target: no growth with position, within 25% or 0.1 s "
         f"of timer noise: {_met(result.target_met)}).",
     ]
+    return "\n".join(md)
+
+
+def render_tiles(result: TilesResult) -> str:
+    lay = result.layout
+    md = ["## Packing with image splitting", ""]
+    md.append(
+        f"Images split into <= {lay['max_tiles']} tiles of {lay['image_size']} px plus a global view, "
+        f"{lay['tokens_per_tile']} tokens a tile (nanovlm/data/tiling.py); lengths and tile counts from image sizes "
+        "alone. The image cap below counts tiles. Columns as in the packing section."
+    )
+    md.append("")
+    for c in result.cells:
+        notes = c["distribution"]
+        md += [
+            cell_table(c),
+            "",
+            f"(image sizes: {notes.get('image_sizes')}; {notes.get('tiles_mean', 0):.1f} tiles a sample)",
+            "",
+        ]
     return "\n".join(md)
 
 

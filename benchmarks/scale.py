@@ -106,7 +106,7 @@ def child(directory: str, plan_max: int) -> dict[str, Any]:
     t0 = time.perf_counter()
     idx = load_index(directory)
     t_open = time.perf_counter()
-    table = SampleTable.from_indexes([(directory, idx)], image_token_count=64)
+    table = SampleTable.from_indexes([(directory, idx)], 64)
     t_table = time.perf_counter()
     out: dict[str, Any] = {"n": len(table), "open_s": t_open - t0, "table_s": t_table - t_open}
     spec = PackSpec(max_tokens=8192, max_images=64)

@@ -529,7 +529,7 @@ def measure(args: argparse.Namespace, log=print) -> TrainResult:
 
     device = train_device(args)
     cfg, preset = train_config(args, device)
-    tokenizer = load_tokenizer(args.tokenizer or cfg.data.tokenizer)
+    tokenizer = load_tokenizer(args.tokenizer or cfg.data.tokenizer, cfg.model.vision.image_splitting)
     quick = args.quick
     n = args.train_samples or ((80 if quick else 600) if device.type == "cpu" else (1000 if quick else 4000))
     log(f"[train] loading {n} samples for L={cfg.data.max_tokens} on {device}")

@@ -42,6 +42,25 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)  # fmt: skip
 
 
+def _layout(cfg, itc: int):
+    """The image layout of the config (tokens per image or tile: ``itc``). Splitting needs the tokenizer: split
+    grids hold newlines, whose token count is the tokenizer's."""
+    import dataclasses
+
+    from nanovlm.data.tiling import ImageLayout
+
+    if not cfg.model.vision.image_splitting:
+        return ImageLayout(cfg.model.vision.image_size, itc)
+    from nanovlm.data.processing import SampleProcessor
+    from nanovlm.data.tokenizer import load_tokenizer
+
+    try:
+        tok = load_tokenizer(cfg.data.tokenizer, image_splitting=True)
+    except (OSError, ValueError) as e:  # split grids' newline counts are the tokenizer's
+        raise SystemExit(f"error: image splitting needs the run's tokenizer: {e}") from None
+    return dataclasses.replace(SampleProcessor.from_config(tok, cfg.model, cfg.data).layout, tokens_per_tile=itc)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     if not args.out:
@@ -78,14 +97,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     }
     for d, n in differing.items():  # lengths are recomputed with itc; say so when the data was made for another count
         print(f"note: {d} was prepared for {n} tokens per image; this analysis uses {itc} (--image-token-count)")
-    stats = collect(indexes, itc)
+    stats = collect(indexes, _layout(cfg, itc))
     if stats.num_samples == 0:
         raise SystemExit(f"error: the index of {', '.join(args.dirs)} lists no samples: nothing to analyse")
     res = write_report(stats, args.out, budget, batch, cfg.data.max_images, cfg.data.lookahead, args.seed, cap)
     w = res["waste"]
     print(
         f"{res['num_samples']} samples; total tokens p50={res['total_tokens']['p50']:.0f} "
-        f"p99={res['total_tokens']['p99']:.0f} max={res['total_tokens']['max']:.0f} ({itc} tokens per image)"
+        f"p99={res['total_tokens']['p99']:.0f} max={res['total_tokens']['max']:.0f} ({itc} tokens per "
+        f"{'tile' if stats.unit == 'tiles' else 'image'}); {stats.unit} per sample "
+        f"p50={res['vision_inputs']['p50']:.0f} p99={res['vision_inputs']['p99']:.0f} max={res['vision_inputs']['max']:.0f}"
     )
     print(
         f"waste at max_tokens={budget}: pad-to-longest {w['pad_to_longest']:.1%}, constrained "
@@ -99,7 +120,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     )
     print(
-        f"recommended: data.max_tokens={res['recommended_max_tokens']} data.overlength={res['recommended_overlength']}"
+        f"recommended: data.max_tokens={res['recommended_max_tokens']} data.overlength={res['recommended_overlength']} "
+        f"data.max_images={res['recommended_max_images']} ({stats.unit})"
         + (
             f" (capped at the model's context, model.language.max_position_embeddings={context})"
             if res["recommended_max_tokens"] == cap < args.max_budget

@@ -79,7 +79,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--image-check",
         choices=("decode", "header"),
         default="decode",
-        help="index-only (--input DIR): decode every image (default) or read only its header, ~15x faster; an image "
+        help="index-only (--input DIR): decode every image (default) or read only JPEG headers, ~15x faster; an image "
         "damaged past its header is then skipped and counted when training reads it",
     )
     p.add_argument("--allow-absolute-paths", action="store_true", help="accept absolute image paths in JSONL lines")

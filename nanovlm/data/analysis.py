@@ -23,6 +23,7 @@ import numpy as np
 
 from nanovlm.data import packing
 from nanovlm.data.index import DatasetIndex
+from nanovlm.data.tiling import ImageLayout, as_layout
 
 SIM_SAMPLES = 100_000  # waste simulations run on at most this many samples (seeded subsample)
 
@@ -31,23 +32,34 @@ SIM_SAMPLES = 100_000  # waste simulations run on at most this many samples (see
 class LengthStats:
     text_tokens: np.ndarray  # per sample, <image> counted once
     total_tokens: np.ndarray  # per sample, images expanded
-    n_images: np.ndarray
-    image_token_count: int
+    n_images: np.ndarray  # per sample: encoder inputs, what data.max_images counts (images, or tiles)
+    image_token_count: int  # tokens per image (per tile with splitting)
     sources: list[str] = field(default_factory=list)
     prompt_tokens: np.ndarray | None = None  # per sample, before the first loss token, images expanded
+    unit: str = "images"  # what n_images counts: images, or tiles with image splitting
 
     @property
     def num_samples(self) -> int:
         return len(self.total_tokens)
 
 
-def collect(indexes: list[DatasetIndex], image_token_count: int) -> LengthStats:
-    """The length columns of one or more indexes, concatenated."""
-    text_a = np.concatenate([i.columns["text_tokens"] for i in indexes] or [np.zeros(0)]).astype(np.int64)
-    imgs_a = np.concatenate([i.columns["n_images"] for i in indexes] or [np.zeros(0)]).astype(np.int64)
-    total = np.concatenate([i.total_tokens(image_token_count) for i in indexes] or [np.zeros(0, np.int64)])
-    prompts = np.concatenate([i.prompt_lengths(image_token_count) for i in indexes] or [np.zeros(0, np.int64)])
-    return LengthStats(text_a, total, imgs_a, image_token_count, [str(i.root) for i in indexes], prompts)
+def collect(indexes: list[DatasetIndex], layout: ImageLayout | int) -> LengthStats:
+    """The length columns of one or more indexes, concatenated, for an image ``layout`` (an int: that many
+    tokens per image, no splitting)."""
+    layout = as_layout(layout)
+
+    def cat(parts: list[np.ndarray]) -> np.ndarray:
+        return np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, np.int64)
+
+    return LengthStats(
+        text_tokens=cat([i.columns["text_tokens"] for i in indexes]),
+        total_tokens=cat([i.total_tokens(layout) for i in indexes]),
+        n_images=cat([i.vision_inputs(layout) for i in indexes]),
+        image_token_count=layout.tokens_per_tile,
+        sources=[str(i.root) for i in indexes],
+        prompt_tokens=cat([i.prompt_lengths(layout) for i in indexes]),
+        unit=layout.unit,
+    )
 
 
 def percentiles(x: np.ndarray, qs=(50, 90, 99, 99.9)) -> dict[str, float]:
@@ -152,6 +164,7 @@ class Recommendation:
     max_tokens: int
     overlength: str
     reasons: list[str]
+    max_images: int = 0  # an encoder-input budget (images or tiles) that a full pack rarely reaches; 0 = none
 
 
 def recommend(
@@ -207,13 +220,21 @@ def recommend(
                 "truncation keeps no answer of those, so they are skipped (counted as overlength) all the same"
             )
     images_per_pack = budget / max(1.0, float(stats.total_tokens.mean())) * float(stats.n_images.mean())
+    # room for a full pack's usual count with a margin, and for all but the rarest samples whole
+    keep = int(np.ceil(np.percentile(stats.n_images, keep_quantile)))
+    vision_budget = max(1, math.ceil(images_per_pack * 1.25), keep)
+    if (over := int((stats.n_images > max_images).sum())) and max_images < (1 << 30):
+        reasons.append(
+            f"{over} samples have more {stats.unit} than data.max_images={max_images}: each is skipped "
+            f"(too_many_{stats.unit}); data.max_images={vision_budget} keeps {keep_quantile:g}% of samples"
+        )
     if images_per_pack > max_images:
         reasons.append(
-            f"a full pack holds ~{images_per_pack:.0f} images on average but data.max_images={max_images}: the image "
-            f"budget will end packs early; raise data.max_images to ~{math.ceil(images_per_pack * 1.25)} if the vision "
+            f"a full pack holds ~{images_per_pack:.0f} {stats.unit} on average but data.max_images={max_images}: the "
+            f"{stats.unit} budget will end packs early; raise data.max_images to ~{math.ceil(images_per_pack * 1.25)} if the vision "
             "encoder's memory allows"
         )
-    return Recommendation(budget, policy, reasons)
+    return Recommendation(budget, policy, reasons, vision_budget)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -252,19 +273,20 @@ def _plot_lengths(stats: LengthStats, out: Path, budget: int) -> dict[str, str]:
     _hist(ax, stats.text_tokens, "Text tokens per sample (<image> counted once)", "tokens")
     _save(fig, out / "text_tokens.png")
     fig, ax = plt.subplots(figsize=(7, 4))
-    _hist(ax, stats.total_tokens, f"Total tokens per sample ({stats.image_token_count} per image)", "tokens", budget)
+    per = "tile" if stats.unit == "tiles" else "image"
+    _hist(ax, stats.total_tokens, f"Total tokens per sample ({stats.image_token_count} per {per})", "tokens", budget)
     _save(fig, out / "total_tokens.png")
     fig, ax = plt.subplots(figsize=(7, 4))
     vals, counts = np.unique(stats.n_images, return_counts=True) if stats.num_samples else ([], [])
     ax.bar([str(v) for v in vals], counts, color="#55A868")
-    ax.set_title("Images per sample")
-    ax.set_xlabel("images")
+    ax.set_title(f"{stats.unit.capitalize()} per sample")
+    ax.set_xlabel(stats.unit)
     ax.set_ylabel("samples")
-    _save(fig, out / "images_per_sample.png")
+    _save(fig, out / f"{stats.unit}_per_sample.png")
     return {
         "text_tokens.png": "histogram of text tokens per sample",
         "total_tokens.png": "histogram of total tokens (images expanded) with the budget",
-        "images_per_sample.png": "bar chart of images per sample",
+        f"{stats.unit}_per_sample.png": f"bar chart of {stats.unit} per sample",
     }
 
 
@@ -314,7 +336,8 @@ def render_summary(
         "# Dataset length report",
         "",
         f"Sources: {', '.join(stats.sources)}  ",
-        f"Samples: {stats.num_samples:,}; image tokens per image: {stats.image_token_count}; "
+        f"Samples: {stats.num_samples:,}; image tokens per {'tile' if stats.unit == 'tiles' else 'image'}: "
+        f"{stats.image_token_count}; "
         f"total tokens: {int(stats.total_tokens.sum()):,}",
         "",
         "| | mean | p50 | p90 | p99 | p99.9 | max |",
@@ -323,7 +346,7 @@ def render_summary(
     for name, x in (
         ("text tokens", stats.text_tokens),
         ("total tokens", stats.total_tokens),
-        ("images", stats.n_images),
+        (stats.unit, stats.n_images),
     ):
         p = percentiles(x)
         lines.append(
@@ -344,13 +367,15 @@ def render_summary(
         "",
     ]
     if w.over_images:
-        lines.append(f"{w.over_images} samples have more images than max_images and can never be placed.\n")
+        lines.append(f"{w.over_images} samples have more {stats.unit} than max_images and can never be placed.\n")
     if w.image_bound_packs > 0.5:
         lines.append(
             f"{w.image_bound_packs:.0%} of packs reached the image budget (max_images={w.max_images}) before the "
             "token budget: packing waste here comes from the image budget, not from lengths.\n"
         )
-    lines += ["## Recommendation", "", f"`data.max_tokens={rec.max_tokens} data.overlength={rec.overlength}`", ""]
+    lines += ["## Recommendation", ""]
+    lines += [f"`data.max_tokens={rec.max_tokens} data.overlength={rec.overlength} data.max_images={rec.max_images}`"]
+    lines += ["", f"(data.max_images counts {stats.unit}.)", ""]
     lines += [*[f"- {r}" for r in rec.reasons], "", "## Plots", ""]
     lines += [*[f"- `{name}`: {what}" for name, what in plots.items()], ""]
     return "\n".join(lines)
@@ -385,5 +410,8 @@ def write_report(
         "waste": w.__dict__,
         "recommended_max_tokens": rec.max_tokens,
         "recommended_overlength": rec.overlength,
+        "recommended_max_images": rec.max_images,
+        "unit": stats.unit,
+        "vision_inputs": percentiles(stats.n_images),
         "plots": sorted(plots),
     }

@@ -73,10 +73,24 @@ TASKS: dict[str, tuple[float, tuple[str, ...] | None]] = {
     "caption": (0.06, None),
     "long": (0.02, None),
 }
-CHANCE = {t: 1 / len(answers) for t, (_, answers) in TASKS.items() if answers}  # uniform guessing per task
+# The "detail" mix (``make_demo_data(mix="detail")``): one small mark on a large image of some size and aspect.
+# Squashed to one image_size square the mark shrinks to a few pixels; tiles show it at its own size, so this mix
+# measures what image splitting buys (README, "Images at their own resolution").
+DETAIL_TASKS: dict[str, tuple[float, tuple[str, ...] | None]] = {
+    "detail_shape": (0.75, SHAPES),
+    "detail_colour": (0.25, tuple(COLOURS)),
+}
+MIXES = {"default": TASKS, "detail": DETAIL_TASKS}
+DETAIL_MARK = 10  # side of the mark in pixels
+DETAIL_LONG_SIDE = (64, 96)  # the image's longer side, pixels
+DETAIL_ASPECTS = (1, 2, 3, 4)  # longer side / shorter side, either orientation
+
+CHANCE = {  # uniform guessing per task
+    t: 1 / len(answers) for mix in MIXES.values() for t, (_, answers) in mix.items() if answers
+}
 # The val split is balanced (every task equally often, each answer of a task equally often), so chance there is
 # the plain mean of the per-task chances, and a model that answers without looking scores exactly chance.
-CHANCE_ACCURACY = sum(CHANCE.values()) / len(CHANCE)
+CHANCE_ACCURACY = sum(CHANCE[t] for t, (_, a) in TASKS.items() if a) / sum(1 for _, a in TASKS.values() if a)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -139,6 +153,34 @@ def render(scene: dict, rng: np.random.Generator) -> bytes:
     else:
         img.save(buf, format="PNG")
     return buf.getvalue()
+
+
+def render_detail(scene: dict, rng: np.random.Generator) -> bytes:
+    """A noisy background of the scene's size with one DETAIL_MARK-pixel mark somewhere on it; PNG bytes."""
+    w, h = scene["w"], scene["h"]
+    base = np.array(BACKGROUNDS[scene["background"]], dtype=np.int16)
+    noise = rng.integers(-12, 13, size=(h, w, 1), dtype=np.int16)
+    img = Image.fromarray(np.clip(base + noise, 0, 255).astype(np.uint8), "RGB")
+    x, y = scene["x"], scene["y"]
+    _draw_shape(ImageDraw.Draw(img), scene["shape"], (x, y, x + DETAIL_MARK, y + DETAIL_MARK), COLOURS[scene["colour"]])
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def _detail_scene(rng: np.random.Generator) -> dict:
+    long = int(rng.integers(DETAIL_LONG_SIDE[0], DETAIL_LONG_SIDE[1] + 1))
+    short = max(DETAIL_MARK + 4, long // int(rng.choice(DETAIL_ASPECTS)))
+    w, h = (long, short) if rng.random() < 0.5 else (short, long)
+    return {
+        "shape": str(rng.choice(SHAPES)),
+        "colour": str(rng.choice(list(COLOURS))),
+        "background": str(rng.choice(list(BACKGROUNDS))),
+        "w": w,
+        "h": h,
+        "x": int(rng.integers(1, w - DETAIL_MARK - 1)),
+        "y": int(rng.integers(1, h - DETAIL_MARK - 1)),
+    }
 
 
 def _plural(scene: dict) -> str:
@@ -212,6 +254,12 @@ def make_sample(task: str, rng: np.random.Generator) -> tuple[list[dict], list[b
         answer = "yes" if same else "no"
         msgs = _qa("<image><image>", "Do both shapes have the same colour?", answer)
         return msgs, [render(a, rng), render(b, rng)], {"answer": answer, "task": task}
+    if task in ("detail_shape", "detail_colour"):
+        scene = _detail_scene(rng)
+        what = task.removeprefix("detail_")
+        answer = scene[what]
+        msgs = _qa("<image>", f"What {what} is the small mark?", answer)
+        return msgs, [render_detail(scene, rng)], {"answer": answer, "task": task}
     if task == "text_only":
         shape = str(rng.choice(SHAPES))
         answer = CORNERS[shape]
@@ -235,14 +283,16 @@ def make_sample(task: str, rng: np.random.Generator) -> tuple[list[dict], list[b
     return msgs, image, {"answer": msgs[-1]["content"], "task": task}
 
 
-def generate_records(n: int, split: str = "train", seed: int = 0) -> Iterator[Record]:
+def generate_records(n: int, split: str = "train", seed: int = 0, mix: str = "default") -> Iterator[Record]:
     """``n`` demo Records with keys ``demo-<split>-000000``...; sample i depends only on (seed, split, i).
 
     train draws tasks by their mix weight; val cycles through the tasks and, within a task, through its answers
     (drawing scenes until one has the answer due), so each task's held-out score is measured on equal footing.
     """
-    tasks = list(TASKS)
-    weights = np.array([TASKS[t][0] for t in tasks])
+    if mix not in MIXES:
+        raise ValueError(f"unknown demo mix {mix!r}; choose one of {sorted(MIXES)}")
+    tasks = list(MIXES[mix])
+    weights = np.array([MIXES[mix][t][0] for t in tasks])
     weights = weights / weights.sum()
     for i in range(n):
         rng = np.random.default_rng([seed, SPLIT_IDS[split], i])
@@ -251,13 +301,14 @@ def generate_records(n: int, split: str = "train", seed: int = 0) -> Iterator[Re
             messages, images, extra = make_sample(task, rng)
         else:
             task = tasks[i % len(tasks)]
-            messages, images, extra = _sample_with_answer(task, i // len(tasks), rng)
+            messages, images, extra = _sample_with_answer(task, MIXES[mix][task][1], i // len(tasks), rng)
         yield Record(f"demo-{split}-{i:06d}", messages, images, extra)
 
 
-def _sample_with_answer(task: str, k: int, rng: np.random.Generator) -> tuple[list[dict], list[bytes], dict]:
-    """A sample of ``task`` whose answer is the task's k-th (cyclically); any sample for tasks without one."""
-    answers = TASKS[task][1]
+def _sample_with_answer(
+    task: str, answers: tuple[str, ...] | None, k: int, rng: np.random.Generator
+) -> tuple[list[dict], list[bytes], dict]:
+    """A sample of ``task`` whose answer is the k-th of ``answers`` (cyclically); any sample for tasks without."""
     for _ in range(1000):  # the rarest answer has odds 1/6: never near this bound
         sample = make_sample(task, rng)
         if not answers or sample[2]["answer"] == answers[k % len(answers)]:
@@ -277,8 +328,10 @@ def make_demo_data(
     seed: int = 0,
     image_token_count: int = 16,
     samples_per_shard: int = 500,
+    mix: str = "default",
 ) -> dict:
-    """Write ``root/tokenizer``, ``root/train`` and ``root/val`` (held out: a different RNG stream).
+    """Write ``root/tokenizer``, ``root/train`` and ``root/val`` (held out: a different RNG stream) of ``mix``
+    (``MIXES``: the default tasks, or "detail").
 
     Returns a summary dict (sample counts and paths). Deterministic: the same arguments give the same bytes.
     """
@@ -287,8 +340,8 @@ def make_demo_data(
 
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
-    train = list(generate_records(train_samples, "train", seed))
-    val = list(generate_records(val_samples, "val", seed))
+    train = list(generate_records(train_samples, "train", seed, mix))
+    val = list(generate_records(val_samples, "val", seed, mix))
     tok = build_tokenizer(root / "tokenizer", tokenizer_texts(train), vocab_size=512)
     tr = write_dataset(train, root / "train", tok, image_token_count, samples_per_shard, created_by="make_demo_data")
     va = write_dataset(val, root / "val", tok, image_token_count, samples_per_shard, created_by="make_demo_data")
@@ -297,7 +350,7 @@ def make_demo_data(
         "train_samples": tr.num_samples,
         "val_samples": va.num_samples,
         "vocab_size": len(tok),
-        "chance_accuracy": CHANCE_ACCURACY,
+        "chance_accuracy": float(np.mean([CHANCE[t] for t, (_, a) in MIXES[mix].items() if a])),
     }
 
 

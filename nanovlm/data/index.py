@@ -187,7 +187,13 @@ class DatasetIndex:
                 part += take * (layout.tokens_per_tile - 1)
             else:
                 n_rows = int(counts.sum())
-                tiles, toks = layout.costs(c["image_sizes"][first_image : first_image + n_rows])
+                sizes = c["image_sizes"][first_image : first_image + n_rows]
+                if (take > counts).any() or (sizes <= 0).any():
+                    raise DatasetIndexError(
+                        f"{self.root / 'index'}: a sample lists more prompt images than images, or an image size "
+                        "that is not positive; re-run scripts/prepare_data.py"
+                    )
+                tiles, toks = layout.costs(sizes)
                 cum = np.concatenate([[0], np.cumsum(toks - 1 if tokens else tiles)])
                 starts = np.cumsum(counts) - counts
                 part += cum[starts + take] - cum[starts]

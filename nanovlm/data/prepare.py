@@ -23,11 +23,10 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import webdataset as wds
-from PIL import Image
 
 from nanovlm.data.format import Record, SampleError, check_key, members_to_record, record_to_json, validate_messages
 from nanovlm.data.index import DatasetIndex, ShardEntry, ShardIndex, remove_index, scan_tar, shard_block
-from nanovlm.data.processing import SampleProcessor, describe_error, open_checked, to_rgb, upright_size
+from nanovlm.data.processing import SampleProcessor, load_image, open_upright, to_rgb
 from nanovlm.data.tokenizer import tokenizer_fingerprint
 
 SHARD_PATTERN = "shard-{:06d}.tar"
@@ -52,23 +51,17 @@ def inspect_image(data: bytes, max_pixels: int = 0, key: str = "", decode: bool 
     """Check image bytes; return (member suffix, [width, height] upright, bytes).
 
     ``decode``: decode every byte (JPEG at 1/8 scale, which still reads the whole file) so truncated or corrupt
-    files are caught here, at preparation time, not in the middle of training. Without it only the header is
-    read (format, size, orientation: ~20x faster); a file damaged past its header is then a counted
-    ``unreadable_image`` skip when training reads it.
+    files are caught here, at preparation time, not in the middle of training. Without it a JPEG is read up to
+    its header only (format, size, orientation: ~20x faster) and a file damaged past its header is a counted
+    ``unreadable_image`` skip when training reads it; other formats are decoded either way, since only the
+    decoded image tells their orientation (``processing.open_upright``).
     """
-    img = open_checked(data, max_pixels, key)
+    img, upright = open_upright(data, max_pixels, key)
     w, h = img.size
     fmt = img.format
-    upright = upright_size(img)
-    try:
-        if decode and fmt == "JPEG":
-            img.draft(img.mode, (max(1, w // 8), max(1, h // 8)))
-        if decode:
-            img.load()
-    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
-        raise SampleError("image_too_large", key, str(e)) from None
-    except Exception as e:
-        raise SampleError("unreadable_image", key, describe_error(e)) from None
+    if decode and fmt == "JPEG":
+        img.draft(img.mode, (max(1, w // 8), max(1, h // 8)))
+        load_image(img, key=key)
     ext = _FORMAT_EXT.get(fmt or "")
     if ext is None:  # PPM: store as PNG so any reader decodes it
         buf = io.BytesIO()

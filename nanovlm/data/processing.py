@@ -4,7 +4,8 @@ The token sequence of a conversation is built piecewise, turn by turn::
 
     <|im_start|> role\\n  content  <|im_end|> \\n
 
-with each ``<image>`` in a content replaced by ``image_token_count`` copies of the ``<image>`` id. Building it
+with each ``<image>`` in a content replaced by the image's tokens: ``image_token_count`` copies of the ``<image>``
+id, or with image splitting its tiles' ids framed by markers (``tiling.py``). Building it
 piecewise (instead of tokenizing one rendered string) places the loss labels exactly: labels are the token ids
 on an assistant turn's content and its ``<|im_end|>`` (so the model learns to stop) and -100 everywhere else.
 Text inside a content is tokenized with special-token matching off, so a literal ``<|im_end|>`` typed by a
@@ -75,14 +76,34 @@ def open_checked(data: bytes, max_pixels: int = 0, key: str = "") -> Image.Image
     return img
 
 
-def decode_image(data: bytes, max_pixels: int = 0, draft_size: int = 0, key: str = "") -> Image.Image:
-    """Bytes -> fully decoded RGB PIL image, upright (EXIF orientation applied). Format is sniffed from content.
+def open_upright(data: bytes, max_pixels: int = 0, key: str = "") -> tuple[Image.Image, tuple[int, int]]:
+    """(opened image, its (width, height) once EXIF orientation is applied): the size decoding will give.
 
-    ``max_pixels`` > 0 rejects larger images before decoding pixels (decompression-bomb guard).
-    ``draft_size`` > 0 lets JPEG decode at a reduced scale that still covers draft_size x draft_size (fast).
-    Raises SampleError ``image_too_large`` or ``unreadable_image`` (also for truncated files).
+    JPEG is read from its header only (its EXIF sits there, and decoding may then use a draft scale). Other
+    formats are decoded here: a PNG may keep its EXIF after the pixels, and Pillow turns a TIFF upright itself
+    while loading, so only the loaded image tells its orientation, exactly as ``decode_image`` sees it.
+    Raises SampleError ``image_too_large`` or ``unreadable_image``.
     """
     img = open_checked(data, max_pixels, key)
+    try:
+        if img.format not in ("JPEG", "MPO"):
+            img.load()
+        w, h = img.size
+        try:
+            orientation = img.getexif().get(0x0112)
+        except Exception:  # a corrupt EXIF block: decoding ignores it too
+            orientation = None
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
+        raise SampleError("image_too_large", key, str(e)) from None
+    except Exception as e:
+        raise SampleError("unreadable_image", key, describe_error(e)) from None
+    return img, ((h, w) if orientation in ROTATED_ORIENTATIONS else (w, h))
+
+
+def load_image(img: Image.Image, draft_size: int = 0, key: str = "") -> Image.Image:
+    """An image from ``open_upright`` -> fully decoded, upright RGB. ``draft_size`` > 0 lets JPEG decode at a
+    reduced scale that still covers draft_size x draft_size (fast). Raises SampleError ``unreadable_image``
+    (also for truncated files)."""
     try:
         if draft_size > 0 and img.format == "JPEG":
             img.draft("RGB", (draft_size, draft_size))
@@ -94,6 +115,15 @@ def decode_image(data: bytes, max_pixels: int = 0, draft_size: int = 0, key: str
     with contextlib.suppress(Exception):  # a corrupt EXIF block must not cost an otherwise readable image
         ImageOps.exif_transpose(img, in_place=True)  # in place: no copy of the (usual) upright image
     return to_rgb(img)
+
+
+def decode_image(data: bytes, max_pixels: int = 0, draft_size: int = 0, key: str = "") -> Image.Image:
+    """Bytes -> fully decoded RGB PIL image, upright (EXIF orientation applied). Format is sniffed from content.
+
+    ``max_pixels`` > 0 rejects larger images before decoding pixels (decompression-bomb guard); ``draft_size``
+    as in ``load_image``. Raises SampleError ``image_too_large`` or ``unreadable_image``.
+    """
+    return load_image(open_upright(data, max_pixels, key)[0], draft_size, key)
 
 
 def describe_error(e: Exception) -> str:
@@ -139,16 +169,6 @@ def resize_image(img: Image.Image, size: int, mode: str = "squash") -> Image.Ima
 
 
 ROTATED_ORIENTATIONS = (5, 6, 7, 8)  # EXIF orientations that swap width and height
-
-
-def upright_size(img: Image.Image) -> tuple[int, int]:
-    """(width, height) of an opened image once its EXIF orientation is applied (read from the header only)."""
-    w, h = img.size
-    try:
-        orientation = img.getexif().get(0x0112)
-    except Exception:  # a corrupt EXIF block: decode_image ignores it too
-        orientation = None
-    return (h, w) if orientation in ROTATED_ORIENTATIONS else (w, h)
 
 
 def split_image(img: Image.Image, grid: tuple[int, int], size: int, resize: str = "squash") -> list[Image.Image]:
@@ -243,6 +263,14 @@ class SampleProcessor:
         nl2 = len(self._encode_text("\n\n"))
         self.layout = ImageLayout(image_size, image_token_count, max_tiles, len(self._newline), nl2)
 
+    def __getstate__(self) -> dict:
+        # a pickled tokenizers.Tokenizer forgets encode_special_tokens: spawned DataLoader workers rebuild it
+        return {k: v for k, v in self.__dict__.items() if k != "_text"}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._text = plain_text_tokenizer(self.tokenizer)
+
     @staticmethod
     def _special_ids(tokenizer, tokens: Sequence[str]) -> dict[str, int]:
         ids = {t: tokenizer.convert_tokens_to_ids(t) for t in tokens}
@@ -294,30 +322,35 @@ class SampleProcessor:
             ids += self._newline if r < rows else self._encode_text("\n\n")
         return (*ids, *whole)
 
-    def grid(self, data: bytes, key: str = "") -> tuple[int, int]:
-        """An image's grid from its header alone (NO_SPLIT without splitting)."""
+    def _open(self, data: bytes, key: str) -> tuple[Image.Image, tuple[int, int]]:
+        """(opened image, its grid): the grid from the upright size alone (NO_SPLIT without splitting)."""
+        img, size = open_upright(data, self.max_image_pixels, key)
         if not self.layout.splitting:
-            return NO_SPLIT
-        size = upright_size(open_checked(data, self.max_image_pixels, key))
-        return tuple(int(x) for x in self.layout.grids(np.asarray([size]))[0])
+            return img, NO_SPLIT
+        return img, tuple(int(x) for x in self.layout.grids(np.asarray([size]))[0])
 
-    def _views(self, data: bytes, grid: tuple[int, int], key: str) -> list[Image.Image]:
-        """Image bytes -> its image_size x image_size views (one without splitting)."""
+    def grid(self, data: bytes, key: str = "") -> tuple[int, int]:
+        """An image's grid (tiling.py), from its size."""
+        return self._open(data, key)[1]
+
+    def _views(self, img: Image.Image, grid: tuple[int, int], key: str) -> list[Image.Image]:
+        """An opened image -> its image_size x image_size views (one without splitting)."""
         rows, cols = grid
         draft = self.image_size * max(1, rows, cols)  # JPEG may decode at a scale that still covers the canvas
-        img = decode_image(data, self.max_image_pixels, draft_size=draft, key=key)
+        img = load_image(img, draft_size=draft, key=key)
         if grid == NO_SPLIT:
             return [resize_image(img, self.image_size, self.resize)]
         return split_image(img, grid, self.image_size, self.resize)
 
-    def images(
-        self, datas: Sequence[bytes], key: str = "", grids: Sequence[tuple[int, int]] | None = None
-    ) -> torch.Tensor:
-        """The images of one sample -> uint8 [n_views, 3, S, S] (every image's views in order; [0, 3, S, S] for none)."""
-        if not datas:
+    def _pixels(self, opened: Sequence[tuple[Image.Image, tuple[int, int]]], key: str) -> torch.Tensor:
+        if not opened:
             return torch.zeros(0, 3, self.image_size, self.image_size, dtype=torch.uint8)
-        grids = [self.grid(b, key) for b in datas] if grids is None else grids
-        return images_to_tensor([v for b, g in zip(datas, grids) for v in self._views(b, g, key)])
+        return images_to_tensor([v for img, g in opened for v in self._views(img, g, key)])
+
+    def images(self, datas: Sequence[bytes], key: str = "") -> torch.Tensor:
+        """The images of one sample -> uint8 [n_views, 3, S, S]: every image's views in order ([0, 3, S, S] for
+        none); a view per image without splitting, else each image's tiles then its global view."""
+        return self._pixels([self._open(b, key) for b in datas], key)
 
     def image(self, data: bytes, key: str = "") -> torch.Tensor:
         """Image bytes -> uint8 [3, S, S]: the first (without splitting: the only) view."""
@@ -381,10 +414,18 @@ class SampleProcessor:
         self, messages: list[dict], images: Sequence[bytes] = (), key: str = ""
     ) -> tuple[list[int], torch.Tensor]:
         """(ids, pixel values) to generate the next assistant turn from: the conversation with its images laid out
-        as in training, then ``<|im_start|>assistant\\n``."""
-        grids = [self.grid(b, key) for b in images]
-        ids, _ = self.encode(messages, [self.image_ids(g) for g in grids] if images else None)
-        return ids + self._header("assistant"), self.images(images, key, grids)
+        as in training, then ``<|im_start|>assistant\\n``. Raises SampleError for a placeholder/image mismatch
+        and for unreadable images."""
+        self._check_images(messages, images, key)
+        opened = [self._open(b, key) for b in images]
+        ids, _ = self.encode(messages, [self.image_ids(g) for _, g in opened])
+        return ids + self._header("assistant"), self._pixels(opened, key)
+
+    @staticmethod
+    def _check_images(messages: list[dict], images: Sequence[bytes], key: str) -> None:
+        n_placeholders = sum(m["content"].count(IMAGE_TOKEN) for m in messages)
+        if n_placeholders != len(images):
+            raise SampleError("image_count_mismatch", key, f"{n_placeholders} placeholders, {len(images)} images")
 
     def text_tokens(self, messages: list[dict]) -> int:
         """Token count with each ``<image>`` counted as one token (the index's ``text_tokens``)."""
@@ -413,13 +454,9 @@ class SampleProcessor:
         """
         if overlength not in ("drop", "truncate"):
             raise ValueError(f"overlength must be 'drop' or 'truncate', got {overlength!r}")
-        n_placeholders = sum(m["content"].count(IMAGE_TOKEN) for m in record.messages)
-        if n_placeholders != len(record.images):
-            raise SampleError(
-                "image_count_mismatch", record.key, f"{n_placeholders} placeholders, {len(record.images)} images"
-            )
-        grids = [self.grid(b, record.key) for b in record.images]
-        ids, labels, spans = self._encode(record.messages, [self.image_ids(g) for g in grids])
+        self._check_images(record.messages, record.images, record.key)
+        opened = [self._open(b, record.key) for b in record.images]
+        ids, labels, spans = self._encode(record.messages, [self.image_ids(g) for _, g in opened])
         n_images = len(record.images)
         truncated = False
         if max_tokens is not None and len(ids) > max_tokens:
@@ -435,6 +472,6 @@ class SampleProcessor:
             key=record.key,
             input_ids=long_tensor(ids),
             labels=long_tensor(labels),
-            pixel_values=self.images(record.images[:n_images], record.key, grids[:n_images]),
+            pixel_values=self._pixels(opened[:n_images], record.key),
             truncated=truncated,
         )

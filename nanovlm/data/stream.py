@@ -133,8 +133,8 @@ class PackStream(IterableDataset):
             if n != want and not (sample.truncated and n <= want):
                 raise DataMismatchError(
                     f"sample {key!r} of {t.dataset_names[t.dataset_of(gid)]} has {n} tokens after processing but its "
-                    f"index says {want}: the index was made with another tokenizer or image token count. Re-run "
-                    "scripts/prepare_data.py with this run's tokenizer and model config."
+                    f"index says {want}: the index was made with another tokenizer or image token count, or an image's "
+                    "size changed since. Re-run scripts/prepare_data.py with this run's tokenizer and model config."
                 )
             return sample
 

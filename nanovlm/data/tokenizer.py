@@ -41,7 +41,9 @@ def _ensure_special_tokens(tok: PreTrainedTokenizerBase, image_splitting: bool) 
     wanted = SPECIAL_TOKENS + (SPLIT_TOKENS if image_splitting else ())
     missing = [t for t in wanted if t not in vocab]
     if missing:
-        tok.add_special_tokens({"additional_special_tokens": missing})
+        # appended: replacing the list would drop the tokenizer's other extra special tokens (and change its
+        # fingerprint)
+        tok.add_special_tokens({"additional_special_tokens": missing}, replace_extra_special_tokens=False)
     if tok.pad_token is None or tok.pad_token_id is None:
         tok.pad_token = PAD_TOKEN
     if tok.eos_token is None:

@@ -4,8 +4,9 @@
 tower, the pixel-shuffle scale, a Llama text config), ``model.safetensors`` and the tokenizer, so that
 ``Idefics3ForConditionalGeneration.from_pretrained(out_dir)`` rebuilds the model with the same logits. The
 weights are renamed with the loader's own name maps (``pretrained.vision_names`` / ``language_names``), the
-fused projections split back into q/k/v and gate/up. Images are not split into tiles: a checkpoint carries one
-global view of ``vision.image_size`` per image, which is what this model was trained on.
+fused projections split back into q/k/v and gate/up. The checkpoint holds the weights and the tokenizer (with the
+grid markers when the run split images); how images become tiles is this project's processing (``tiling.py``),
+not yet written as a transformers processor config.
 """
 
 from __future__ import annotations

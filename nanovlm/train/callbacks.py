@@ -252,6 +252,8 @@ class Telemetry(pl.Callback):
             "train/samples_per_s": t["samples"] / elapsed,
             "train/packing_fill": t["real_tokens"] / max(t["slots"], 1),
             "train/data_wait_frac": min(1.0, t["wait_s"] / (world * elapsed)),
+            # vision-encoder inputs per pack: tiles with image splitting (an unsplit image is one tile)
+            "train/tiles_per_pack": t["images"] / max(t["micro"], 1),
         }
         if getattr(pl_module, "last_grad_norm", None) is not None:
             metrics["train/grad_norm"] = pl_module.last_grad_norm

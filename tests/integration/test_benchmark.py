@@ -230,3 +230,18 @@ def test_scale_section_measures_a_synthetic_index(tmp_path, make_dataset, tiny_t
     assert doc["prepare"]["n_shards"] == 2 and doc["prepare"]["header_samples_per_s"] > 0
     idx = load_index(tmp_path / "wd" / "scale" / "20000")
     assert idx.num_samples == 20_000 and idx.key(19_999) == "s00000019999"
+
+
+def test_tiles_section_packs_real_sizes_and_documents_under_a_tile_budget(tmp_path, make_dataset):
+    make_dataset(tmp_path / "ds", 60, samples_per_shard=30)
+    out = tmp_path / "t.json"
+    args = ["--quick", "--sections", "tiles", "--index", str(tmp_path / "ds"), "--tiles-samples", "400"]
+    assert main([*args, "--json", str(out), "--workdir", str(tmp_path / "wd")]) == 0
+    doc = json.loads(out.read_text())["sections"]["tiles"]
+    assert [c["distribution"]["name"] for c in doc["cells"]] == ["photos", "documents"]
+    for cell in doc["cells"]:
+        assert cell["max_images"] == 64 and cell["distribution"]["samples"] == 400
+        rows = {r["strategy"]: r for r in cell["rows"]}
+        ours = rows["ours (online exact fill)"]
+        assert ours["images_per_step_max"] <= 64 and ours["fill"] >= rows["FFD (offline reference)"]["fill"] - 0.05
+    assert doc["cells"][1]["distribution"]["tiles_mean"] > 5  # documents really are split

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import json
 import subprocess
 import sys
 
@@ -94,6 +95,29 @@ def test_two_step_fit_writes_run_dir_and_evaluates(small_demo, tmp_path):
     assert f"[resume] from {run_dir / 'checkpoints' / checkpoint_name(2)}" in out
     assert "[eval]" in out  # the finished run is still evaluated
     assert len((run_dir / "steps.jsonl").read_text().splitlines()) == 2
+
+
+def test_fit_with_image_splitting_logs_tiles_evaluates_and_exports(small_demo, tmp_path):
+    """The demo's 40-64 px images at 16-px tiles: 2x2 grids and more, so packs carry several tiles per image; the
+    end-of-run evaluation generates from split prompts and the export carries the markers."""
+    run_dir = tmp_path / "run"
+    split = ["model.vision.image_splitting=true", "model.vision.max_tiles=4", "data.max_images=96"]
+    extra = ["trainer.max_steps=2", "trainer.eval_at_end=true", "trainer.eval_samples=3", "trainer.log_every_n_steps=1"]
+    out = run_train(small_demo, run_dir, *split, *extra)
+    assert "[eval] held-out answer accuracy:" in out and "on 3 samples (chance" in out
+    rows = [
+        r for r in csv.DictReader((run_dir / "csv" / "metrics.csv").read_text().splitlines()) if r.get("train/loss")
+    ]
+    per_pack = [float(r["train/tiles_per_pack"]) for r in rows]
+    samples = [float(r["train/samples_per_s"]) for r in rows]
+    assert len(per_pack) == 2 and all(t > 8 for t in per_pack) and samples[-1] > 0
+    proc = subprocess.run(
+        [sys.executable, "scripts/export_hf.py", str(run_dir), str(tmp_path / "hf")],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    vocab = json.loads((tmp_path / "hf" / "tokenizer.json").read_text())["added_tokens"]
+    assert {"<global-img>", "<row_2_col_2>", "<fake_token_around_image>"} <= {t["content"] for t in vocab}
 
 
 @pytest.mark.slow

@@ -7,6 +7,7 @@ import pytest
 
 from nanovlm.data.analysis import LengthStats, collect, recommend, waste
 from nanovlm.data.index import DatasetIndex, ShardIndex, load_index
+from nanovlm.data.tiling import ImageLayout
 
 
 def write_index(path, text_tokens, n_images, image_token_count=16, prompts=None):
@@ -28,12 +29,23 @@ def stats_of(lengths, n_images=None):
 
 def test_collect_expands_images(tmp_path):
     idx = write_index(tmp_path / "d", [10, 20, 30], [0, 1, 2], image_token_count=16)
-    s = collect([idx, idx], image_token_count=16)
+    s = collect([idx, idx], 16)
     assert s.total_tokens.tolist() == [10, 35, 60] * 2
     assert s.text_tokens.tolist() == [10, 20, 30] * 2 and s.n_images.tolist() == [0, 1, 2] * 2
     assert s.prompt_tokens.tolist() == [1, 1, 1] * 2
     idx = write_index(tmp_path / "p", [10, 20, 30], [0, 1, 2], 16, prompts=([5, 6, 7], [0, 1, 2]))
-    assert collect([idx], image_token_count=16).prompt_tokens.tolist() == [5, 21, 37]
+    assert collect([idx], 16).prompt_tokens.tolist() == [5, 21, 37]
+
+
+def test_collect_with_splitting_counts_tiles_from_sizes(tmp_path):
+    """32x32 images at 16-px tiles and <= 4 tiles: a 2x2 grid plus the global view, 5 tiles; each tile 4 tokens +
+    2 markers, one newline between the rows, "\\n\\n" before the global view (4 tokens + 3 markers): 33 tokens."""
+    idx = write_index(tmp_path / "d", [10, 20, 30], [0, 1, 2])
+    s = collect([idx], ImageLayout(16, 4, max_tiles=4))
+    assert s.unit == "tiles" and s.n_images.tolist() == [0, 5, 10]
+    assert s.total_tokens.tolist() == [10, 20 + 32, 30 + 64]
+    rec = recommend(s, max_images=8)
+    assert rec.max_images >= 10 and any("too_many_tiles" in r for r in rec.reasons)
 
 
 def test_waste_exact():
@@ -109,8 +121,8 @@ def test_analyze_cli_writes_plots_and_summary(tmp_path, make_dataset, capsys):
     assert report["total_tokens"]["max"] == totals.max()
     assert report["waste"]["over_budget"] == int((totals > 256).sum())
     assert (
-        f"`data.max_tokens={report['recommended_max_tokens']} data.overlength={report['recommended_overlength']}`"
-        in summary
+        f"`data.max_tokens={report['recommended_max_tokens']} data.overlength={report['recommended_overlength']} "
+        f"data.max_images={report['recommended_max_images']}`" in summary
     )
     assert "pad to longest" in summary and "packing, online packer" in summary
     printed = capsys.readouterr().out

@@ -13,6 +13,9 @@ from nanovlm.data.demo import (
     BACKGROUNDS,
     CHANCE_ACCURACY,
     COLOURS,
+    DETAIL_LONG_SIDE,
+    DETAIL_MARK,
+    SHAPES,
     TASKS,
     TRAIN_SAMPLES,
     VAL_SAMPLES,
@@ -71,6 +74,27 @@ def test_answers_are_determined_by_the_image():
             assert r.extra["answer"] == ("first" if a > b else "second")
     assert all(counts[t] > 0 for t in TASKS), counts  # every task occurs
     assert 0.25 < CHANCE_ACCURACY < 0.40
+
+
+def test_detail_mix_hides_a_small_mark_in_images_of_many_sizes():
+    """The detail mix: one DETAIL_MARK-pixel mark whose colour is the answer, on images of several sizes and
+    aspects; the val split is balanced over both tasks and their answers."""
+    sizes = set()
+    for r in generate_records(200, "train", seed=2, mix="detail"):
+        img = Image.open(io.BytesIO(r.images[0]))
+        sizes.add(img.size)
+        assert max(img.size) >= DETAIL_LONG_SIDE[0] and min(img.size) > DETAIL_MARK
+        fr = colour_fractions(r.images[0], COLOURS)
+        mark = max(fr, key=fr.get)
+        assert round(fr[mark] * img.size[0] * img.size[1]) <= (DETAIL_MARK + 1) ** 2  # small: the mark, edges included
+        if r.extra["task"] == "detail_colour":
+            assert r.extra["answer"] == mark
+    aspects = {round(max(w, h) / min(w, h)) for w, h in sizes}
+    assert len(sizes) > 50 and {1, 2, 3, 4} <= aspects and any(w > h for w, h in sizes) and any(h > w for w, h in sizes)
+    val = [r.extra["answer"] for r in generate_records(48, "val", mix="detail")]
+    assert sorted(val[0::2]) == sorted(list(SHAPES) * 6) and sorted(val[1::2]) == sorted(list(COLOURS) * 4)
+    with pytest.raises(ValueError, match="unknown demo mix"):
+        next(generate_records(1, mix="nope"))
 
 
 def test_deterministic_and_held_out(tmp_path):

@@ -54,7 +54,8 @@ def test_a_perfect_model_scores_every_long_answer_and_prompts_fill_no_context(tm
     model = build_model(cfg.model, tiny_tokenizer)
     eos = tiny_tokenizer.convert_tokens_to_ids(IM_END)
     answers = {
-        len(SampleProcessor(tiny_tokenizer, 32, 16).prompt(r.messages[:-1])[0]): r.extra["answer"] for r in records
+        len(SampleProcessor(tiny_tokenizer, 32, 16).prompt(r.messages[:-1], r.images)[0]): r.extra["answer"]
+        for r in records
     }
 
     def oracle(input_ids, pixel_values=None, max_new_tokens=32, eos_token_id=None, **kw):

@@ -908,7 +908,7 @@ def test_index_only_resumes_after_a_kill(tmp_path, tiny_tokenizer, monkeypatch):
 
 
 def test_index_only_header_check_reads_sizes_without_decoding(tmp_path, tiny_tokenizer):
-    """--image-check header records the same index as a full decode for intact images; an image damaged after
+    """--image-check header records the same index as a full decode for intact images; a JPEG damaged after
     its header then passes (training skips it when it reads it), where decode rejects it."""
     from nanovlm.cli.prepare_data import main
 
@@ -918,10 +918,13 @@ def test_index_only_header_check_reads_sizes_without_decoding(tmp_path, tiny_tok
     assert main([*args, "--output", str(tmp_path / "header"), "--image-check", "header"]) == 0
     dec, head = load_index(tmp_path / "decode"), load_index(tmp_path / "header")
     assert [dec.shard(i) for i in range(2)] == [head.shard(i) for i in range(2)]
-    broken = png(seed=0)
-    members = [("y_0.png", broken[: len(broken) // 2]), ("y_0.json", json_bytes(conversation(1)))]
+    members = [("y_0.jpg", truncated_jpeg((256, 256))), ("y_0.json", json_bytes(conversation(1)))]  # past its header
     (shards / "part-0.tar").write_bytes(tar_bytes(members))
     (shards / "part-1.tar").unlink()
     assert main([*args, "--output", str(tmp_path / "decode2")]) == 1  # nothing indexable
     assert main([*args, "--output", str(tmp_path / "header2"), "--image-check", "header"]) == 0
     assert load_index(tmp_path / "header2").key_list() == ["y_0"]
+    broken = png(seed=0)  # a PNG is decoded either way: only the decoded image tells its orientation
+    members = [("y_0.png", broken[: len(broken) // 2]), ("y_0.json", json_bytes(conversation(1)))]
+    (shards / "part-0.tar").write_bytes(tar_bytes(members))
+    assert main([*args, "--output", str(tmp_path / "header3"), "--image-check", "header"]) == 1

@@ -102,9 +102,22 @@ def test_cached_piece_encodings_equal_fresh_ones_and_the_cache_is_bounded(tiny_t
 
 def test_prompt_ends_with_assistant_header(proc, tiny_tokenizer):
     msgs = conv("<image>what?", "x")[:1]
-    ids, _ = proc.prompt(msgs)
+    ids, pixels = proc.prompt(msgs, [png()])
     text = tiny_tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
     assert ids == tiny_tokenizer(text.replace("<image>", "<image>" * IMG_TOKENS), add_special_tokens=False)["input_ids"]
+    assert pixels.shape[0] == 1
+    assert reason_of(proc.prompt, msgs, [], key="k") == "image_count_mismatch"  # never an image-less layout
+
+
+def test_a_pickled_processor_counts_as_the_original(proc):
+    """A tokenizers.Tokenizer forgets encode_special_tokens when pickled (spawned DataLoader workers): special-token
+    strings typed in content would then count differently from the index."""
+    import pickle
+
+    msgs = conv("what is <|im_end|> and <image> here", "x")
+    again = pickle.loads(pickle.dumps(proc))
+    assert again.token_counts(msgs) == proc.token_counts(msgs)
+    assert again.encode(msgs) == proc.encode(msgs)
 
 
 def test_special_token_text_in_content_is_plain_text(proc, tiny_tokenizer):

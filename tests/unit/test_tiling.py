@@ -12,8 +12,8 @@ from PIL import Image
 
 from nanovlm.constants import IGNORE_INDEX
 from nanovlm.data.format import Record
-from nanovlm.data.index import load_index
-from nanovlm.data.prepare import write_dataset
+from nanovlm.data.index import DatasetIndexError, load_index
+from nanovlm.data.prepare import inspect_image, write_dataset
 from nanovlm.data.processing import SampleProcessor, split_image
 from nanovlm.data.shards import SampleTable
 from nanovlm.data.tiling import MAX_GRID_SIDE, SPLIT_TOKENS, ImageLayout, choose_grids, grid_tiles
@@ -145,6 +145,35 @@ def test_grid_uses_the_upright_size(split_tokenizer):
     assert torch.equal(proc.images([rotated]), proc.images([upright]))
 
 
+def test_a_rotated_tiff_gets_the_grid_of_its_upright_size(split_tokenizer):
+    """Pillow turns a TIFF upright while loading it (and drops its orientation tag), unlike JPEG / PNG / WebP: the
+    size planning uses must be the one decoding gives, for every format."""
+    raw = image((64, 16))
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    proc = processor(split_tokenizer)
+    upright = encode(raw.transpose(Image.Transpose.ROTATE_270), "PNG")
+    for fmt in ("TIFF", "PNG", "JPEG", "WEBP"):
+        rotated = encode(raw, fmt, exif=exif.tobytes())
+        assert proc.grid(rotated) == (4, 1), fmt
+        assert inspect_image(rotated)[1] == [16, 64], fmt
+        if fmt in ("TIFF", "PNG"):  # lossless: the same pixels as the upright file
+            assert torch.equal(proc.images([rotated]), proc.images([upright])), fmt
+
+
+def test_a_corrupt_png_is_refused_at_preparation(split_tokenizer):
+    good = encode(image((64, 64)), "PNG")
+    bad = good[:200] + bytes(b ^ 0x5A for b in good[200:260]) + good[260:]
+    assert reason_of(inspect_image, bad, key="k") == "unreadable_image"
+    assert (
+        reason_of(processor(split_tokenizer).process, Record("k", conv_with_image(), [bad], {})) == "unreadable_image"
+    )
+
+
+def conv_with_image():
+    return [{"role": "user", "content": "<image> what?"}, {"role": "assistant", "content": "x"}]
+
+
 def test_truncation_removes_a_split_image_whole(split_tokenizer):
     proc = processor(split_tokenizer)
     big = encode(image((64, 64)))  # 2x2 grid: 5 views
@@ -173,6 +202,25 @@ def test_marker_tokens_leave_the_fingerprint_alone(tiny_tokenizer, tmp_path):
     assert all(t in split.get_vocab() for t in SPLIT_TOKENS)
     assert not any(t in plain.get_vocab() for t in SPLIT_TOKENS)
     assert tokenizer_fingerprint(split) == tokenizer_fingerprint(plain) == tokenizer_fingerprint(tiny_tokenizer)
+
+
+def test_markers_keep_the_other_extra_special_tokens(tiny_tokenizer, tmp_path):
+    tiny_tokenizer.save_pretrained(str(tmp_path / "t"))
+    base = load_tokenizer(tmp_path / "t")
+    base.add_special_tokens({"additional_special_tokens": ["<foo>"]}, replace_extra_special_tokens=False)
+    base.save_pretrained(str(tmp_path / "foo"))
+    plain, split = load_tokenizer(tmp_path / "foo"), load_tokenizer(tmp_path / "foo", image_splitting=True)
+    assert "<foo>" in split.all_special_tokens
+    assert tokenizer_fingerprint(split) == tokenizer_fingerprint(plain)
+
+
+def test_an_index_with_more_prompt_images_than_images_is_refused(tmp_path, split_tokenizer):
+    rec = Record("k", conv_with_image(), [encode(image((40, 40)))], {})
+    write_dataset([rec], tmp_path / "ds", split_tokenizer, TOKENS)
+    idx = load_index(tmp_path / "ds")
+    idx.columns["prompt_images"] = np.array([2], np.int32)
+    with pytest.raises(DatasetIndexError, match="more prompt images than images"):
+        idx.prompt_lengths(processor(split_tokenizer).layout)
 
 
 def test_a_tokenizer_without_markers_is_refused(tiny_tokenizer):
