@@ -61,6 +61,17 @@ def test_exact_resume_single_process_workers_accumulation(small_demo, single_ref
     assert_same_run(single_reference, tmp_path / "resumed", n_micro=12, ranks=1, final_step=6)
 
 
+@pytest.mark.slow
+def test_exact_resume_with_image_splitting(small_demo, tmp_path):
+    """Packs planned from sizes under a token and a tile budget (the demo's 40-64 px images in 16-px tiles: 2x2
+    grids and more) resume bitwise through a checkpoint."""
+    split = ["model.vision.image_splitting=true", "model.vision.max_tiles=4", "data.max_images=40"]
+    extra = ["trainer.max_steps=4", "checkpoint.every_n_steps=2", *split]
+    run_train(small_demo, tmp_path / "full", *extra)
+    interrupted_then_resumed(small_demo, tmp_path / "resumed", 2, *extra)
+    assert_same_run(tmp_path / "full", tmp_path / "resumed", 4, 1, 4)
+
+
 def two_processes(strategy: str) -> list[str]:
     return ["trainer.max_steps=5", "trainer.devices=2", f"trainer.strategy={strategy}", "checkpoint.every_n_steps=0"]
 
