@@ -21,7 +21,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--train-samples", type=int, default=TRAIN_SAMPLES, help=f"training samples ({TRAIN_SAMPLES})")
     p.add_argument("--val-samples", type=int, default=VAL_SAMPLES, help=f"held-out samples ({VAL_SAMPLES})")
     p.add_argument("--seed", type=int, default=0, help="generator seed (default: 0)")
-    p.add_argument("--mix", default="default", choices=["default", "detail"], help="task mix (default: default)")
+    p.add_argument(
+        "--mix", default="default", choices=["default", "detail", "detail_shape"], help="task mix (default: default)"
+    )
     p.add_argument("--samples-per-shard", type=int, default=500, help="samples per tar shard (default: 500)")
     p.add_argument(
         "--image-token-count",

@@ -73,14 +73,14 @@ TASKS: dict[str, tuple[float, tuple[str, ...] | None]] = {
     "caption": (0.06, None),
     "long": (0.02, None),
 }
-# The "detail" mix (``make_demo_data(mix="detail")``): one small mark on a large image of some size and aspect.
-# Squashed to one image_size square the mark shrinks to a few pixels; tiles show it at its own size, so this mix
-# measures what image splitting buys (README, "Images at their own resolution").
+# The "detail" mixes (``make_demo_data(mix=...)``): one small mark on a large image of some size and aspect.
+# Squashed to one image_size square the mark shrinks to a few pixels; tiles show it at its own size, so these mixes
+# measure what image splitting buys (docs/images.md). "detail_shape" asks only the mark's shape.
 DETAIL_TASKS: dict[str, tuple[float, tuple[str, ...] | None]] = {
     "detail_shape": (0.75, SHAPES),
     "detail_colour": (0.25, tuple(COLOURS)),
 }
-MIXES = {"default": TASKS, "detail": DETAIL_TASKS}
+MIXES = {"default": TASKS, "detail": DETAIL_TASKS, "detail_shape": {"detail_shape": (1.0, SHAPES)}}
 DETAIL_MARK = 10  # side of the mark in pixels
 DETAIL_LONG_SIDE = (64, 96)  # the image's longer side, pixels
 DETAIL_ASPECTS = (1, 2, 3, 4)  # longer side / shorter side, either orientation

@@ -93,6 +93,10 @@ def test_detail_mix_hides_a_small_mark_in_images_of_many_sizes():
     assert len(sizes) > 50 and {1, 2, 3, 4} <= aspects and any(w > h for w, h in sizes) and any(h > w for w, h in sizes)
     val = [r.extra["answer"] for r in generate_records(48, "val", mix="detail")]
     assert sorted(val[0::2]) == sorted(list(SHAPES) * 6) and sorted(val[1::2]) == sorted(list(COLOURS) * 4)
+    shape_only = [r.extra for r in generate_records(8, "val", mix="detail_shape")]
+    assert [e["task"] for e in shape_only] == ["detail_shape"] * 8 and sorted(
+        e["answer"] for e in shape_only
+    ) == sorted(list(SHAPES) * 2)
     with pytest.raises(ValueError, match="unknown demo mix"):
         next(generate_records(1, mix="nope"))
 
