@@ -24,7 +24,7 @@ import numpy as np
 
 from benchmarks.distributions import LengthSet
 from benchmarks.packing import run_cell
-from nanovlm.data.tiling import ImageLayout
+from nanovlm.data.tiling import ImageLayout, per_sample
 
 # nanoVLM-460M's vision side (SigLIP2-B/16-512, pixel shuffle 4): 64 tokens per 512-px tile; SmolVLM's 4x4 grid
 LAYOUT = ImageLayout(image_size=512, tokens_per_tile=64, max_tiles=16, newline_tokens=1, double_newline_tokens=1)
@@ -42,10 +42,9 @@ DOC_KINDS = {
 
 
 def _per_sample(layout: ImageLayout, sizes: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Per sample (each with at least one image): (tokens its images add beyond one placeholder each, tiles)."""
+    """Per sample: (tokens its images add beyond one placeholder each, tiles)."""
     tiles, tokens = layout.costs(sizes)
-    starts = np.cumsum(counts) - counts
-    return np.add.reduceat(tokens - 1, starts), np.add.reduceat(tiles, starts)
+    return per_sample(tokens - 1, counts), per_sample(tiles, counts)
 
 
 def documents(n: int, seed: int, layout: ImageLayout = LAYOUT) -> LengthSet:

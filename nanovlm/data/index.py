@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from nanovlm.data.tiling import ImageLayout, as_layout
+from nanovlm.data.tiling import ImageLayout, as_layout, per_sample
 
 INDEX_DIR = "index"
 META_FILE = "meta.json"
@@ -194,9 +194,7 @@ class DatasetIndex:
                         "that is not positive; re-run scripts/prepare_data.py"
                     )
                 tiles, toks = layout.costs(sizes)
-                cum = np.concatenate([[0], np.cumsum(toks - 1 if tokens else tiles)])
-                starts = np.cumsum(counts) - counts
-                part += cum[starts + take] - cum[starts]
+                part += per_sample(toks - 1 if tokens else tiles, counts, take)
                 first_image += n_rows
             if len(part) and int(part.max()) > limit:
                 raise DatasetIndexError(f"a sample has {int(part.max())} tokens, more than {np.dtype(dtype)} holds")

@@ -30,7 +30,15 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 from nanovlm.config import DataConfig, ModelConfig, image_token_count
 from nanovlm.constants import IGNORE_INDEX, IMAGE_TOKEN
 from nanovlm.data.format import Record, SampleError
-from nanovlm.data.tiling import GLOBAL_MARKER, NO_SPLIT, SPLIT_TOKENS, TILE_MARKER, ImageLayout, position_marker
+from nanovlm.data.tiling import (
+    GLOBAL_MARKER,
+    NO_SPLIT,
+    SPLIT_TOKENS,
+    TILE_MARKER,
+    ImageLayout,
+    grid_of,
+    position_marker,
+)
 from nanovlm.data.tokenizer import IM_END, IM_START, plain_text_tokenizer
 
 LETTERBOX_FILL = (128, 128, 128)  # ~the normalisation mean, so padding is ~0 after normalisation
@@ -57,6 +65,9 @@ def _available_formats() -> tuple[str, ...]:
 def open_image(data: bytes) -> Image.Image:
     """Open (not yet decode) image bytes as one of IMAGE_FORMATS, whatever the member is named."""
     return Image.open(io.BytesIO(data), formats=_available_formats())
+
+
+ROTATED_ORIENTATIONS = (5, 6, 7, 8)  # EXIF orientations that swap width and height
 
 
 def open_checked(data: bytes, max_pixels: int = 0, key: str = "") -> Image.Image:
@@ -166,9 +177,6 @@ def resize_image(img: Image.Image, size: int, mode: str = "squash") -> Image.Ima
         canvas.paste(img.resize((nw, nh), Image.Resampling.BICUBIC), ((size - nw) // 2, (size - nh) // 2))
         return canvas
     raise ValueError(f"unknown resize mode {mode!r}; choose squash or letterbox")
-
-
-ROTATED_ORIENTATIONS = (5, 6, 7, 8)  # EXIF orientations that swap width and height
 
 
 def split_image(img: Image.Image, grid: tuple[int, int], size: int, resize: str = "squash") -> list[Image.Image]:
@@ -327,7 +335,7 @@ class SampleProcessor:
         img, size = open_upright(data, self.max_image_pixels, key)
         if not self.layout.splitting:
             return img, NO_SPLIT
-        return img, tuple(int(x) for x in self.layout.grids(np.asarray([size]))[0])
+        return img, grid_of(*size, self.layout.image_size, self.layout.max_tiles)
 
     def grid(self, data: bytes, key: str = "") -> tuple[int, int]:
         """An image's grid (tiling.py), from its size."""

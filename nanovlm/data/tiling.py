@@ -86,6 +86,22 @@ def choose_grids(sizes: np.ndarray, image_size: int, max_tiles: int, chunk: int 
     return out[inverse.reshape(-1)]
 
 
+def per_sample(per_image: np.ndarray, counts: np.ndarray, take: np.ndarray | None = None) -> np.ndarray:
+    """[M] values of images stored sample after sample (``counts`` [N] each) -> [N] the sum over each sample's
+    first ``take`` images (default: all of them)."""
+    cum = np.concatenate([[0], np.cumsum(per_image)])
+    starts = np.cumsum(counts) - counts
+    return cum[starts + (counts if take is None else take)] - cum[starts]
+
+
+@functools.lru_cache(maxsize=4096)
+def grid_of(width: int, height: int, image_size: int, max_tiles: int) -> tuple[int, int]:
+    """One image's grid (``choose_grids`` for one size; sizes repeat, so the processor's per-image calls hit
+    this cache)."""
+    rows, cols = choose_grids(np.asarray([[width, height]]), image_size, max_tiles)[0]
+    return int(rows), int(cols)
+
+
 def grid_tiles(grids: np.ndarray) -> np.ndarray:
     """[M, 2] grids -> [M] encoder inputs: rows*cols, plus the global view when that is more than one tile."""
     n = grids[:, 0] * grids[:, 1]
