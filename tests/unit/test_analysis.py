@@ -152,6 +152,10 @@ def test_analyze_cli_errors(tmp_path):
     write_index(tmp_path / "empty", [], [])
     with pytest.raises(SystemExit, match="lists no samples"):  # was a report of "waste 0.0%, recommended 1024"
         main([str(tmp_path / "empty"), "--out", str(tmp_path / "r")])
+    split = tmp_path / "split.yaml"  # splitting needs the run's tokenizer (newline counts of split grids)
+    split.write_text(f"model:\n  vision:\n    image_splitting: true\ndata:\n  tokenizer: {tmp_path / 'no_tok'}\n")
+    with pytest.raises(SystemExit, match="image splitting needs the run's tokenizer"):
+        main([str(tmp_path / "d"), "--out", str(tmp_path / "r"), "--config", str(split)])
 
 
 def test_recommended_budget_fits_the_models_context(tmp_path, capsys):

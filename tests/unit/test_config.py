@@ -113,6 +113,10 @@ def test_bad_choice_and_shapes_are_rejected():
         load_config([], ["model.projector.pixel_shuffle_factor=5"])
     with pytest.raises(ConfigError, match="key=value"):
         load_config([], ["trainer.max_steps"])
+    for tiles in (0, 37):  # a grid needs a tile; the markers name at most 6 x 6
+        with pytest.raises(ConfigError, match="model.vision.max_tiles"):
+            load_config([], ["model.vision.image_splitting=true", f"model.vision.max_tiles={tiles}"])
+    assert load_config([], ["model.vision.max_tiles=0"]).model.vision.max_tiles == 0  # ignored without splitting
     with pytest.raises(ConfigError, match="not found"):
         load_config(["no_such_file.yaml"])
     # a pack can hold one sample of max_tokens tokens: its positions must stay within the decoder's
