@@ -34,6 +34,7 @@ class VisionConfig:
     image_size: int = 224  # input resolution (square): of the whole image, or of each tile with splitting
     image_splitting: bool = False  # show each image as a grid of image_size tiles + a global view (data/tiling.py)
     max_tiles: int = 4  # with image_splitting: most grid tiles per image (the global view comes on top), <= 36
+    longest_edge: int = 0  # with image_splitting: 0 = our grid rule; > 0 = Idefics3/SmolVLM's (longest edge -> this)
     patch_size: int = 16  # conv patch size; the encoder sees (image_size / patch_size)^2 patches
     hidden_size: int = 768  # width of the encoder
     num_layers: int = 12  # transformer blocks
@@ -287,6 +288,18 @@ def _check_values(cfg: Config) -> None:
         raise ConfigError(
             f"bad value for config key 'model.vision.max_tiles': {v.max_tiles}; 1..36 (grids of at most 6 x 6 tiles)"
         )
+    if v.image_splitting and v.longest_edge:
+        from nanovlm.data.tiling import MAX_GRID_SIDE, MAX_IDEFICS3_EDGE, idefics3_side
+
+        if (
+            not v.image_size <= v.longest_edge <= MAX_IDEFICS3_EDGE
+            or idefics3_side(v.image_size, v.longest_edge) > MAX_GRID_SIDE
+        ):
+            raise ConfigError(
+                f"bad value for config key 'model.vision.longest_edge': {v.longest_edge}; 0 (our grid rule) or "
+                f"image_size ({v.image_size}) .. {min(MAX_GRID_SIDE * v.image_size, MAX_IDEFICS3_EDGE)} (at most "
+                f"{MAX_GRID_SIDE} tiles a side, {MAX_IDEFICS3_EDGE} px)"
+            )
     if cfg.data.max_tokens > lm.max_position_embeddings:
         raise ConfigError(
             f"data.max_tokens={cfg.data.max_tokens} exceeds model.language.max_position_embeddings="

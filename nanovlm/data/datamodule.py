@@ -277,8 +277,8 @@ class PackedMultimodalDataModule(L.LightningDataModule):
         n_packs = plan.packs_per_slot * plan.topology.num_slots
         workers = max(1, self.cfg.num_workers)
         queue_mb = self.cfg.queue_size * workers * self.pack_bytes() / 2**20
-        vision = self.model_cfg.vision  # views per read-ahead sample: ~2 images, each 1 view or up to max_tiles + 1
-        views = min(self.spec.max_images, 2 * (vision.max_tiles + 1 if vision.image_splitting else 1))
+        layout = self.processor.layout  # views per read-ahead sample: ~2 images, each 1 view or up to max_tiles + 1
+        views = min(self.spec.max_images, 2 * (layout.max_tiles + 1 if layout.splitting else 1))
         read_ahead_mb = self.cfg.lookahead * workers * 3 * self.image_size**2 * views / 2**20
         return {
             "datasets": [

@@ -36,7 +36,9 @@ from nanovlm.data.tiling import (
     SPLIT_TOKENS,
     TILE_MARKER,
     ImageLayout,
-    grid_of,
+    idefics3_resized,
+    idefics3_side,
+    idefics3_tiled,
     position_marker,
 )
 from nanovlm.data.tokenizer import IM_END, IM_START, plain_text_tokenizer
@@ -199,6 +201,20 @@ def split_image(img: Image.Image, grid: tuple[int, int], size: int, resize: str 
     return [canvas.crop(b) for b in boxes] + [whole]
 
 
+def split_idefics3(img: Image.Image, size: int, longest_edge: int) -> list[Image.Image]:
+    """An upright RGB image -> its views under Idefics3's rule (tiling.py), resized as transformers'
+    ``Idefics3ImageProcessor`` resizes them (LANCZOS): the longest edge to ``longest_edge``, then up to whole
+    tiles; the tiles row by row, then the global view (none when the grid is one tile)."""
+    w, h = (int(x[0]) for x in idefics3_resized([img.width], [img.height], longest_edge))
+    img = img.resize((w, h), Image.Resampling.LANCZOS)
+    tw, th = (int(x[0]) for x in idefics3_tiled([w], [h], size))
+    img = img.resize((tw, th), Image.Resampling.LANCZOS)
+    if (tw, th) == (size, size):
+        return [img]
+    boxes = [(c, r, c + size, r + size) for r in range(0, th, size) for c in range(0, tw, size)]
+    return [img.crop(b) for b in boxes] + [img.resize((size, size), Image.Resampling.LANCZOS)]
+
+
 def images_to_tensor(images: list[Image.Image]) -> torch.Tensor:
     """Same-size RGB PIL images -> one contiguous uint8 tensor [n, 3, H, W] (normalised later, on the device).
 
@@ -240,7 +256,12 @@ class SampleProcessor:
         """The processor a run with these configs trains on."""
         vision = model_cfg.vision
         args = (vision.image_size, image_token_count(model_cfg), data_cfg.image_resize, data_cfg.max_image_pixels)
-        return cls(tokenizer, *args, max_tiles=vision.max_tiles if vision.image_splitting else 0)
+        if not vision.image_splitting:
+            return cls(tokenizer, *args)
+        if vision.longest_edge:
+            side = idefics3_side(vision.image_size, vision.longest_edge)
+            return cls(tokenizer, *args, max_tiles=side * side, longest_edge=vision.longest_edge)
+        return cls(tokenizer, *args, max_tiles=vision.max_tiles)
 
     def __init__(
         self,
@@ -250,6 +271,7 @@ class SampleProcessor:
         resize: str = "squash",
         max_image_pixels: int = 64_000_000,
         max_tiles: int = 0,
+        longest_edge: int = 0,
     ):
         if resize not in ("squash", "letterbox"):
             raise ValueError(f"unknown resize mode {resize!r}; choose squash or letterbox")
@@ -269,7 +291,7 @@ class SampleProcessor:
         self._headers: dict[str, list[int]] = {}
         self._grid_ids: dict[tuple[int, int], tuple[int, ...]] = {}
         nl2 = len(self._encode_text("\n\n"))
-        self.layout = ImageLayout(image_size, image_token_count, max_tiles, len(self._newline), nl2)
+        self.layout = ImageLayout(image_size, image_token_count, max_tiles, len(self._newline), nl2, longest_edge)
 
     def __getstate__(self) -> dict:
         # a pickled tokenizers.Tokenizer forgets encode_special_tokens: spawned DataLoader workers rebuild it
@@ -333,9 +355,7 @@ class SampleProcessor:
     def _open(self, data: bytes, key: str) -> tuple[Image.Image, tuple[int, int]]:
         """(opened image, its grid): the grid from the upright size alone (NO_SPLIT without splitting)."""
         img, size = open_upright(data, self.max_image_pixels, key)
-        if not self.layout.splitting:
-            return img, NO_SPLIT
-        return img, grid_of(*size, self.layout.image_size, self.layout.max_tiles)
+        return img, self.layout.grid_of(*size)
 
     def grid(self, data: bytes, key: str = "") -> tuple[int, int]:
         """An image's grid (tiling.py), from its size."""
@@ -348,6 +368,8 @@ class SampleProcessor:
         img = load_image(img, draft_size=draft, key=key)
         if grid == NO_SPLIT:
             return [resize_image(img, self.image_size, self.resize)]
+        if self.layout.longest_edge:
+            return split_idefics3(img, self.image_size, self.layout.longest_edge)
         return split_image(img, grid, self.image_size, self.resize)
 
     def _pixels(self, opened: Sequence[tuple[Image.Image, tuple[int, int]]], key: str) -> torch.Tensor:

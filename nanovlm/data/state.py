@@ -112,6 +112,8 @@ def fingerprint(cfg: DataConfig, spec: PackSpec, table: SampleTable, layout: Ima
     }
     if layout.splitting:  # lengths follow the grids (recorded only then: unsplit states keep their keys)
         out["image_splitting"] = {"image_size": layout.image_size, "max_tiles": layout.max_tiles}
+        if layout.longest_edge:  # Idefics3's grid rule
+            out["image_splitting"]["longest_edge"] = layout.longest_edge
     if spec.overlength == "truncate":
         prompt_only = np.flatnonzero((table.length > spec.limit) & (table.prompt >= spec.limit))
         out["prompt_only_skips"] = hashlib.sha1(prompt_only.astype(np.int64).tobytes()).hexdigest()[:16]

@@ -24,6 +24,14 @@ has no separate global view: that tile is the whole image. An image's tile count
 functions of its (width, height), so the index's stored sizes give every sample's length without decoding.
 
 Without splitting an image is one ``image_size`` square of ``tokens_per_tile`` tokens and no markers.
+
+**Idefics3's rule** (``model.vision.longest_edge`` > 0), what SmolVLM's own processor does, so that a SmolVLM
+checkpoint sees its images as it was trained on them and an exported processor tiles as training did: the image
+is resized (LANCZOS) so that its longest edge is ``longest_edge`` (up or down, the other side by the aspect and
+rounded up to even), then each side up to a multiple of ``image_size``, and cut into that grid; the global view is
+the resized image squashed to one tile. Every image of one aspect therefore gets the same grid, whatever its size.
+``idefics3_grids`` restates the arithmetic of transformers' ``Idefics3ImageProcessor`` (float division and
+truncation where it uses them), and a test compares both on random sizes.
 """
 
 from __future__ import annotations
@@ -37,6 +45,7 @@ MAX_GRID_SIDE = 6  # rows and columns a grid may have: the <row_i_col_j> markers
 TILE_MARKER = "<fake_token_around_image>"
 GLOBAL_MARKER = "<global-img>"
 NO_SPLIT = (0, 0)  # the grid of an image that is not split (one squashed or letterboxed view, no markers)
+MAX_IDEFICS3_EDGE = 4096  # Idefics3's processor caps the resized image's longest edge here
 
 
 def position_marker(row: int, col: int) -> str:
@@ -86,6 +95,40 @@ def choose_grids(sizes: np.ndarray, image_size: int, max_tiles: int, chunk: int 
     return out[inverse.reshape(-1)]
 
 
+def idefics3_resized(width: np.ndarray, height: np.ndarray, longest_edge: int) -> tuple[np.ndarray, np.ndarray]:
+    """[M] sizes -> [M] (width, height) after Idefics3's resize of the longest edge to ``longest_edge``."""
+    w, h = np.asarray(width, np.int64), np.asarray(height, np.int64)
+    aspect = w / h  # float64, as Python's float division
+    wide = w >= h
+    short = np.where(wide, np.trunc(longest_edge / aspect), np.trunc(longest_edge * aspect)).astype(np.int64)
+    short += short % 2  # rounded up to even
+    new_w, new_h = np.where(wide, longest_edge, short), np.where(wide, short, longest_edge)
+    return np.maximum(new_w, 1), np.maximum(new_h, 1)
+
+
+def idefics3_tiled(width: np.ndarray, height: np.ndarray, image_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """[M] sizes -> [M] (width, height) rounded up to whole tiles, the longer side first (as Idefics3 does)."""
+    w, h = np.asarray(width, np.int64), np.asarray(height, np.int64)
+    aspect = w / h
+    wide = w >= h
+    s = image_size
+    long_side = -(-np.where(wide, w, h) // s) * s
+    other = np.where(wide, np.trunc(long_side / aspect), np.trunc(long_side * aspect)).astype(np.int64)
+    other = -(-other // s) * s
+    return np.where(wide, long_side, other), np.where(wide, other, long_side)
+
+
+def idefics3_grids(sizes: np.ndarray, image_size: int, longest_edge: int) -> np.ndarray:
+    """[M, 2] (width, height) -> [M, 2] (rows, cols) by Idefics3's rule (see the module docstring); a grid that
+    is one tile is (1, 1), one view with no global view beside it."""
+    sizes = np.asarray(sizes, np.int64).reshape(-1, 2)
+    if (sizes <= 0).any():
+        raise ValueError(f"image sizes must be positive, got {sizes[(sizes <= 0).any(axis=1)][0].tolist()}")
+    w, h = idefics3_resized(sizes[:, 0], sizes[:, 1], longest_edge)
+    w, h = idefics3_tiled(w, h, image_size)
+    return np.stack([h // image_size, w // image_size], 1)
+
+
 def per_sample(per_image: np.ndarray, counts: np.ndarray, take: np.ndarray | None = None) -> np.ndarray:
     """[M] values of images stored sample after sample (``counts`` [N] each) -> [N] the sum over each sample's
     first ``take`` images (default: all of them)."""
@@ -95,11 +138,12 @@ def per_sample(per_image: np.ndarray, counts: np.ndarray, take: np.ndarray | Non
 
 
 @functools.lru_cache(maxsize=4096)
-def grid_of(width: int, height: int, image_size: int, max_tiles: int) -> tuple[int, int]:
-    """One image's grid (``choose_grids`` for one size; sizes repeat, so the processor's per-image calls hit
-    this cache)."""
-    rows, cols = choose_grids(np.asarray([[width, height]]), image_size, max_tiles)[0]
-    return int(rows), int(cols)
+def grid_of(width: int, height: int, image_size: int, max_tiles: int, longest_edge: int = 0) -> tuple[int, int]:
+    """One image's grid (``choose_grids``, or ``idefics3_grids`` when ``longest_edge`` > 0, for one size; sizes
+    repeat, so the processor's per-image calls hit this cache)."""
+    size = np.asarray([[width, height]])
+    grid = idefics3_grids(size, image_size, longest_edge) if longest_edge else choose_grids(size, image_size, max_tiles)
+    return int(grid[0, 0]), int(grid[0, 1])
 
 
 def grid_tiles(grids: np.ndarray) -> np.ndarray:
@@ -113,6 +157,7 @@ class ImageLayout:
     """How many tiles and tokens each image costs: the fact that planning, processing and the model share.
 
     ``max_tiles == 0`` means no splitting: every image is one tile of ``tokens_per_tile`` tokens.
+    ``longest_edge`` > 0 picks Idefics3's grid rule (``max_tiles`` is then its largest grid).
     ``newline_tokens`` / ``double_newline_tokens`` are the tokenizer's counts for "\\n" and "\\n\\n" (split
     grids contain both, see the module docstring).
     """
@@ -122,6 +167,7 @@ class ImageLayout:
     max_tiles: int = 0
     newline_tokens: int = 1
     double_newline_tokens: int = 1
+    longest_edge: int = 0
 
     @property
     def splitting(self) -> bool:
@@ -137,7 +183,15 @@ class ImageLayout:
         sizes = np.asarray(sizes, np.int64).reshape(-1, 2)
         if not self.splitting:
             return np.zeros_like(sizes)
+        if self.longest_edge:
+            return idefics3_grids(sizes, self.image_size, self.longest_edge)
         return choose_grids(sizes, self.image_size, self.max_tiles)
+
+    def grid_of(self, width: int, height: int) -> tuple[int, int]:
+        """One image's grid (cached per size); NO_SPLIT without splitting."""
+        if not self.splitting:
+            return NO_SPLIT
+        return grid_of(width, height, self.image_size, self.max_tiles, self.longest_edge)
 
     def grid_tokens(self, grids: np.ndarray) -> np.ndarray:
         """[M, 2] grids -> [M] decoder tokens of each image, markers included."""
@@ -154,6 +208,11 @@ class ImageLayout:
         grids = self.grids(sizes)
         tiles = grid_tiles(grids) if self.splitting else np.ones(len(grids), np.int64)
         return tiles, self.grid_tokens(grids)
+
+
+def idefics3_side(image_size: int, longest_edge: int) -> int:
+    """The most tiles along one side under Idefics3's rule (an odd edge may gain one pixel from rounding)."""
+    return -(-(longest_edge + longest_edge % 2) // image_size)
 
 
 def as_layout(layout: ImageLayout | int) -> ImageLayout:

@@ -117,6 +117,11 @@ def test_bad_choice_and_shapes_are_rejected():
         with pytest.raises(ConfigError, match="model.vision.max_tiles"):
             load_config([], ["model.vision.image_splitting=true", f"model.vision.max_tiles={tiles}"])
     assert load_config([], ["model.vision.max_tiles=0"]).model.vision.max_tiles == 0  # ignored without splitting
+    split = ["model.vision.image_splitting=true", "model.vision.image_size=512", "model.vision.patch_size=16"]
+    for edge in (256, 3073, 5000):  # below one tile; 7 tiles a side; past Idefics3's 4096 px
+        with pytest.raises(ConfigError, match="'model.vision.longest_edge': .*at most 6 tiles a side"):
+            load_config([], [*split, f"model.vision.longest_edge={edge}"])
+    assert load_config([], [*split, "model.vision.longest_edge=2048"]).model.vision.longest_edge == 2048
     with pytest.raises(ConfigError, match="not found"):
         load_config(["no_such_file.yaml"])
     # a pack can hold one sample of max_tokens tokens: its positions must stay within the decoder's

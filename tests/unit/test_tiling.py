@@ -10,13 +10,15 @@ from helpers.faults import encode, exif_rotated_png, image, reason_of
 from helpers.synthetic import synthetic_image, tiny_corpus
 from PIL import Image
 
+from nanovlm.config import DataConfig
 from nanovlm.constants import IGNORE_INDEX
 from nanovlm.data.format import Record
 from nanovlm.data.index import DatasetIndexError, load_index
 from nanovlm.data.prepare import inspect_image, write_dataset
-from nanovlm.data.processing import SampleProcessor, split_image
-from nanovlm.data.shards import SampleTable
-from nanovlm.data.tiling import MAX_GRID_SIDE, SPLIT_TOKENS, ImageLayout, choose_grids, grid_tiles
+from nanovlm.data.processing import SampleProcessor, split_idefics3, split_image
+from nanovlm.data.shards import PackSpec, SampleTable
+from nanovlm.data.state import fingerprint
+from nanovlm.data.tiling import MAX_GRID_SIDE, SPLIT_TOKENS, ImageLayout, choose_grids, grid_tiles, idefics3_grids
 from nanovlm.data.tokenizer import build_tokenizer, load_tokenizer, tokenizer_fingerprint
 
 S = 16  # tile side of these tests: small, so a few hundred pixels already need many tiles
@@ -108,6 +110,53 @@ def test_split_image_views_are_tiles_then_the_global_view():
     assert len(views) == 5 and all(v.size == (S, S) for v in views)
     assert [int(np.asarray(v).mean()) for v in views[:4]] == [0, 60, 120, 180]
     assert np.asarray(views[4]).shape == (S, S, 3)  # the whole strip, squashed
+
+
+@pytest.mark.parametrize("edge", [7 * S, S])  # 112 is not a multiple of a tile; S: one view per image
+def test_idefics3_rule_gives_transformers_grids_and_pixels(edge):
+    """model.vision.longest_edge: on 200 random sizes (tiny to 300 px, strips of 1-19 px), the grid from the size
+    alone and every view's pixels equal what transformers' Idefics3ImageProcessor makes of the same image."""
+    from transformers import Idefics3ImageProcessorPil
+
+    hf = Idefics3ImageProcessorPil(
+        size={"longest_edge": edge}, max_image_size={"longest_edge": S}, do_rescale=False, do_normalize=False
+    )
+    rng = np.random.default_rng(edge)
+    sizes = [(int(w), int(h)) for w, h in rng.integers(1, 300, (200, 2))]
+    sizes[::3] = [(int(rng.integers(1, 20)), h) for _, h in sizes[::3]]
+    grids = idefics3_grids(np.asarray(sizes), S, edge)
+    for (w, h), grid in zip(sizes, grids, strict=True):
+        img = Image.fromarray(rng.integers(0, 255, (h, w, 3), dtype=np.uint8))
+        out = hf.preprocess([img], return_row_col_info=True, do_pad=False)
+        rows, cols = out["rows"][0][0], out["cols"][0][0]
+        assert tuple(grid) == (max(rows, 1), max(cols, 1)), (w, h)  # transformers: (0, 0) for one tile
+        theirs = np.stack(out["pixel_values"][0])
+        ours = np.stack([np.asarray(v).transpose(2, 0, 1) for v in split_idefics3(img, S, edge)])
+        np.testing.assert_array_equal(ours, theirs, err_msg=f"{w}x{h}")
+    seen = {(int(r), int(c)) for r, c in grids}
+    assert seen >= {(7, 7), (1, 7), (7, 1), (4, 7)} if edge > S else seen == {(1, 1)}
+
+
+def test_planned_length_equals_processed_length_under_idefics3s_rule(tmp_path, split_tokenizer):
+    """The same accounting as below with Idefics3's rule: planned lengths and tiles equal the processed ones."""
+    rng = np.random.default_rng(2)
+    records = []
+    for i in range(60):
+        sizes = [(int(rng.integers(1, 200)), int(rng.integers(1, 200))) for _ in range(int(rng.integers(0, 3)))]
+        images = [synthetic_image(rng, w, h, "PNG" if j % 2 else "JPEG") for j, (w, h) in enumerate(sizes)]
+        user = "look " + "<image> and ".join([""] * (len(sizes) + 1)) + f"question {i}?"
+        msgs = [{"role": "user", "content": user}, {"role": "assistant", "content": f"answer {i}"}]
+        records.append(Record(f"k{i:04d}", msgs, images, {}))
+    write_dataset(records, tmp_path / "ds", split_tokenizer, TOKENS, samples_per_shard=16)
+    proc = processor(split_tokenizer, max_tiles=16, longest_edge=4 * S)
+    table = SampleTable.from_indexes([("ds", load_index(tmp_path / "ds"))], proc.layout)
+    for gid, rec in enumerate(records):
+        out = proc.process(rec)
+        assert (table.length[gid], table.n_images[gid]) == (len(out.input_ids), out.pixel_values.shape[0]), rec.key
+    tiles, _ = proc.layout.costs(np.asarray([[1, 1], [150, 150], [199, 3]]))
+    assert tiles.tolist() == [17, 17, 5]  # a square: 4 x 4 tiles + the global view whatever its size; a strip 1 x 4
+    resumable = fingerprint(DataConfig(), PackSpec(), table, proc.layout)  # a resume under the other rule is refused
+    assert resumable["image_splitting"] == {"image_size": S, "max_tiles": 16, "longest_edge": 4 * S}
 
 
 def test_planned_length_equals_processed_length(tmp_path, split_tokenizer):
