@@ -4,7 +4,9 @@
     python scripts/export_hf.py runs/default out/my-vlm --checkpoint runs/default/checkpoints/step-400.ckpt
 
 The model is rebuilt from the run's ``config.yaml`` and tokenizer, its weights come from the checkpoint, and
-``Idefics3ForConditionalGeneration.from_pretrained(OUT)`` then gives the same logits (``model/export.py``).
+``Idefics3ForConditionalGeneration.from_pretrained(OUT)`` then gives the same logits, and where transformers'
+processor can lay images out as training did, ``AutoProcessor.from_pretrained(OUT)`` prepares the same inputs
+(``model/export.py``).
 """
 
 from __future__ import annotations
@@ -52,6 +54,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         load_weights(ckpt, module)
     except (FileNotFoundError, ValueError, CheckpointModelMismatchError) as e:
         raise SystemExit(f"error: {e}") from None
-    out = export_idefics3(module.model, tokenizer, args.out)
+    out, why_not = export_idefics3(module.model, tokenizer, args.out, cfg.data.image_resize)
     print(f"exported {ckpt} -> {out} (transformers Idefics3ForConditionalGeneration)")
+    if why_not:
+        print(f"no processor config written: {why_not}")
+    else:
+        print("with its processor: AutoProcessor.from_pretrained loads it and prepares inputs as training did")
     return 0

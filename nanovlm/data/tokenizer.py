@@ -34,6 +34,20 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 
+# The same ChatML for a transformers processor, whose messages may also hold content as a list of parts
+# ({"type": "text", "text": ...} / {"type": "image"}): written into exported checkpoints (model/export.py).
+PROCESSOR_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' }}"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'text' %}{{ part['text'] }}{% elif part['type'] == 'image' %}{{ '<image>' }}{% endif %}"
+    "{% endfor %}{% endif %}"
+    "{{ '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
 
 def _ensure_special_tokens(tok: PreTrainedTokenizerBase, image_splitting: bool) -> PreTrainedTokenizerBase:
     """Add missing special tokens, set pad/eos, and a ChatML chat template when the tokenizer has none."""

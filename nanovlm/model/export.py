@@ -5,8 +5,14 @@ tower, the pixel-shuffle scale, a Llama text config), ``model.safetensors`` and 
 ``Idefics3ForConditionalGeneration.from_pretrained(out_dir)`` rebuilds the model with the same logits. The
 weights are renamed with the loader's own name maps (``pretrained.vision_names`` / ``language_names``), the
 fused projections split back into q/k/v and gate/up. The checkpoint holds the weights and the tokenizer (with the
-grid markers when the run split images); how images become tiles is this project's processing (``tiling.py``),
-not yet written as a transformers processor config.
+grid markers when the run split images).
+
+``idefics3_processor`` adds the processor (``preprocessor_config.json``, ``processor_config.json``, the chat
+template) when transformers' ``Idefics3Processor`` lays images out exactly as training did: with image splitting
+(every image framed by markers) under Idefics3's grid rule (``model.vision.longest_edge``), or with one squashed
+view per image (``max_tiles=1``). Its chat template is the ChatML the run trained on. Other layouts (no markers,
+our own grid rule, letterboxing) have no transformers equivalent: the export then says so and writes no
+processor rather than one that would feed the model other sequences than it learned.
 """
 
 from __future__ import annotations
@@ -85,9 +91,50 @@ def idefics3_state_dict(model) -> dict[str, torch.Tensor]:
     return {k: t.detach().to("cpu").contiguous().clone() for k, t in out.items()}
 
 
-def export_idefics3(model, tokenizer, out_dir: str | os.PathLike) -> Path:
-    """Write ``model`` and ``tokenizer`` as a transformers Idefics3 checkpoint directory; returns it."""
+LANCZOS, BICUBIC = 1, 3  # PIL resampling filters, as transformers' image processors record them
+
+
+def idefics3_processor(model_cfg, tokenizer, image_resize: str = "squash"):
+    """(an ``Idefics3Processor`` that prepares inputs as training did, or None, and why not when None)."""
+    from transformers import Idefics3ImageProcessorPil, Idefics3Processor
+
+    from nanovlm.config import image_token_count
+    from nanovlm.data.tokenizer import PROCESSOR_CHAT_TEMPLATE
+
+    v = model_cfg.vision
+    common = dict(
+        image_mean=list(v.image_mean), image_std=list(v.image_std), max_image_size={"longest_edge": v.image_size}
+    )
+    if not v.image_splitting:
+        return None, (
+            "the run showed images without markers (model.vision.image_splitting=false); transformers' Idefics3 "
+            "processor always frames them (train with image_splitting=true and max_tiles=1 for one view per image)"
+        )
+    if v.longest_edge:  # Idefics3's own rule: the processor tiles exactly as training did
+        images = Idefics3ImageProcessorPil(
+            do_image_splitting=True, size={"longest_edge": v.longest_edge}, resample=LANCZOS, **common
+        )
+    elif v.max_tiles == 1 and image_resize == "squash":  # one view per image, squashed to a tile (BICUBIC)
+        images = Idefics3ImageProcessorPil(do_image_splitting=False, do_resize=False, resample=BICUBIC, **common)
+    else:
+        return None, (
+            f"the run tiled images by this project's grid rule (max_tiles={v.max_tiles}, image_resize="
+            f"{image_resize}), which transformers' processor does not have (use model.vision.longest_edge for "
+            "Idefics3's rule)"
+        )
+    return Idefics3Processor(
+        images, tokenizer, image_seq_len=image_token_count(model_cfg), chat_template=PROCESSOR_CHAT_TEMPLATE
+    ), ""
+
+
+def export_idefics3(model, tokenizer, out_dir: str | os.PathLike, image_resize: str = "squash") -> tuple[Path, str]:
+    """Write ``model``, ``tokenizer`` and (where one exists, see the module docstring) its processor as a
+    transformers Idefics3 checkpoint directory; returns it and why no processor was written ("" when one was)."""
+    import copy
+
     from safetensors.torch import save_file
+
+    from nanovlm.data.tokenizer import PROCESSOR_CHAT_TEMPLATE
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -98,5 +145,8 @@ def export_idefics3(model, tokenizer, out_dir: str | os.PathLike) -> Path:
     if model.cfg.language.tie_embeddings:
         state.pop("lm_head.weight", None)  # transformers ties it to the embedding on load
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
-    tokenizer.save_pretrained(out)
-    return out
+    tokenizer = copy.deepcopy(tokenizer)  # the processor adds its tokens to it: leave the caller's alone
+    tokenizer.chat_template = PROCESSOR_CHAT_TEMPLATE  # the format the run trained on, not the one it came with
+    processor, why_not = idefics3_processor(model.cfg, tokenizer, image_resize)
+    (processor or tokenizer).save_pretrained(out)
+    return out, why_not

@@ -433,7 +433,7 @@ def test_round_trip_idefics3_in_train_export_back_equal_logits_and_generation(id
         opt.step()
         opt.zero_grad()
     model.eval()
-    out = export_idefics3(model, tok, tmp_path / "exported")
+    out, _ = export_idefics3(model, tok, tmp_path / "exported")
     back = transformers.Idefics3ForConditionalGeneration.from_pretrained(out).eval()
     moved = back.model.connector.modality_projection.proj.weight
     assert not torch.equal(moved, transformers.Idefics3ForConditionalGeneration.from_pretrained(path).model.connector.modality_projection.proj.weight)  # fmt: skip
