@@ -23,6 +23,7 @@ Name maps (ours -> transformers):
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 
@@ -351,6 +352,7 @@ def load_vlm_weights(model: nn.Module, name_or_path: str) -> None:
     problems = []
     for load in (
         lambda: _check_vlm_config(model, hf, name_or_path),
+        lambda: _check_vlm_processor(model.cfg.vision, directory, name_or_path),
         lambda: _load_vision(model.vision, hf.vision_config, state, name_or_path),
         lambda: _load_language(model.language, hf.text_config, state, name_or_path, bool(hf.tie_word_embeddings)),
         lambda: _copy(
@@ -381,6 +383,38 @@ def _check_vlm_config(model: nn.Module, hf, name_or_path: str) -> None:
         },
         "Set model.projector.pixel_shuffle_factor to the checkpoint's scale_factor, and prepare the data with the "
         "checkpoint's tokenizer (data.tokenizer) so that <image> has its id.",
+    )
+
+
+def _check_vlm_processor(vision, directory: Path, name_or_path: str) -> None:
+    """The images must reach the model as the checkpoint's processor prepared them in its training: the same tile
+    size, normalisation and layout (Idefics3's grid rule with its longest edge, or one framed view per image)."""
+    path = directory / "preprocessor_config.json"
+    if not path.is_file():
+        log.info("%s has no preprocessor_config.json: cannot check the image preprocessing", name_or_path)
+        return
+    proc = json.loads(path.read_text())
+    pairs = {
+        "model.vision.image_size": (proc.get("max_image_size", {}).get("longest_edge"), vision.image_size),
+        "model.vision.image_mean": (
+            [float(x) for x in proc.get("image_mean", [])],
+            [float(x) for x in vision.image_mean],
+        ),
+        "model.vision.image_std": ([float(x) for x in proc.get("image_std", [])], [float(x) for x in vision.image_std]),
+        "model.vision.image_splitting": (True, vision.image_splitting),  # its processor frames every image
+    }
+    if proc.get("do_image_splitting", True):
+        pairs["model.vision.longest_edge"] = (proc.get("size", {}).get("longest_edge"), vision.longest_edge)
+    elif vision.longest_edge == 0:
+        pairs["model.vision.max_tiles"] = (1, vision.max_tiles)  # one view per image
+    else:
+        pairs["model.vision.longest_edge"] = (0, vision.longest_edge)
+    _check_config(
+        "VLM",
+        name_or_path,
+        pairs,
+        "Set these keys to what the checkpoint's processor (its preprocessor_config.json) does, so that images "
+        "reach the model as they did in its training.",
     )
 
 

@@ -4,6 +4,7 @@ whose logits equal the trained model's."""
 
 from __future__ import annotations
 
+import io
 import subprocess
 import sys
 
@@ -11,8 +12,11 @@ import pytest
 import torch
 from helpers import REPO
 from helpers.runs import TIMEOUT, final_weights, run_train, tiny_overrides
+from PIL import Image
 
 from nanovlm.config import load_config
+from nanovlm.data.demo import generate_records
+from nanovlm.data.processing import SampleProcessor
 from nanovlm.data.tokenizer import load_tokenizer
 from nanovlm.model import build_model, resolve_vocab_size
 
@@ -33,20 +37,29 @@ def micro_idefics3(tokenizer, vocab: int, scale: int):
     return transformers.Idefics3ForConditionalGeneration(cfg).eval()
 
 
+SMOLVLM_LAYOUT = ["model.vision.image_splitting=true", "model.vision.longest_edge=32", "data.max_images=80"]
+
+
 @pytest.mark.slow
 def test_idefics3_in_train_export_out_equal_logits(small_demo, tmp_path):
-    overrides = tiny_overrides(small_demo)
+    """With SmolVLM's image layout (Idefics3's grid rule, read from the checkpoint's processor and checked):
+    the exported processor prepares a demo sample as training did, and the exported model gives its logits."""
+    overrides = [*tiny_overrides(small_demo), *SMOLVLM_LAYOUT]
     cfg = load_config(["tiny_cpu.yaml"], overrides)  # what scripts/train.py loads
-    tok = load_tokenizer(str(small_demo / "tokenizer"))
+    tok = load_tokenizer(str(small_demo / "tokenizer"), image_splitting=True)
     hf = micro_idefics3(tok, resolve_vocab_size(cfg.model, tok), cfg.model.projector.pixel_shuffle_factor)
     hf.save_pretrained(tmp_path / "start")
     tok.save_pretrained(tmp_path / "start")  # its tokenizer.json: the run checks data.tokenizer against it
+    transformers.Idefics3ImageProcessorPil(size={"longest_edge": 32}, max_image_size={"longest_edge": 16}).save_pretrained(tmp_path / "start")  # fmt: skip
     run, out = tmp_path / "run", tmp_path / "exported"
-    log = run_train(small_demo, run, f"model.vlm_checkpoint={tmp_path / 'start'}", "trainer.max_steps=3")
+    log = run_train(
+        small_demo, run, f"model.vlm_checkpoint={tmp_path / 'start'}", "trainer.max_steps=3", *SMOLVLM_LAYOUT
+    )
     assert f"all from {tmp_path / 'start'}" in log
     export = [sys.executable, "scripts/export_hf.py", str(run), str(out)]
     proc = subprocess.run(export, cwd=REPO, capture_output=True, text=True, timeout=TIMEOUT)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "with its processor" in proc.stdout
     back = transformers.Idefics3ForConditionalGeneration.from_pretrained(out).eval()
 
     ours = build_model(cfg.model, tok).eval()
@@ -54,15 +67,21 @@ def test_idefics3_in_train_export_out_equal_logits(small_demo, tmp_path):
     start = hf.model.connector.modality_projection.proj.weight
     assert not torch.equal(ours.projector.proj.weight, start)  # it trained
     assert torch.equal(back.model.connector.modality_projection.proj.weight, ours.projector.proj.weight)
-    g = torch.Generator().manual_seed(0)
-    image = torch.full((ours.image_token_count,), ours.image_token_id)
-    ids = torch.cat([torch.randint(0, 200, (5,), generator=g), image, torch.randint(0, 200, (7,), generator=g)])
-    pixels = torch.randint(0, 256, (1, 3, 16, 16), dtype=torch.uint8, generator=g)
-    batch = {"input_ids": ids[None], "position_ids": torch.arange(len(ids))[None], "pixel_values": pixels,
+    record = next(
+        r for r in generate_records(20, "val") if r.messages[0]["content"].count("<image>") == len(r.images) > 0
+    )
+    question = record.messages[:1]  # the first user turn, with its images
+    ids, pixels = SampleProcessor.from_config(tok, cfg.model, cfg.data).prompt(question, record.images)
+    assert len(pixels) > len(record.images)  # tiled
+    hf_proc = transformers.AutoProcessor.from_pretrained(out)
+    text = hf_proc.apply_chat_template(question, add_generation_prompt=True)
+    enc = hf_proc(text=text, images=[Image.open(io.BytesIO(b)) for b in record.images], return_tensors="pt")
+    assert enc["input_ids"][0].tolist() == ids
+    batch = {"input_ids": torch.tensor([ids]), "position_ids": torch.arange(len(ids))[None], "pixel_values": pixels,
              "cu_seqlens": torch.tensor([0, len(ids)], dtype=torch.int32), "max_seqlen": len(ids)}  # fmt: skip
     with torch.no_grad():
-        want = back(input_ids=ids[None], pixel_values=((pixels.float() / 255 - 0.5) / 0.5)[None]).logits[0]
-        torch.testing.assert_close(ours(batch)["logits"][0], want, atol=1e-5, rtol=1e-5)
+        want = back(**enc).logits[0]
+        torch.testing.assert_close(ours(batch)["logits"][0], want, atol=1e-4, rtol=1e-4)
 
 
 def test_export_cli_errors(tmp_path):

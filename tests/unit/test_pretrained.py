@@ -2,6 +2,7 @@
 give the same outputs on the same inputs (fp32). Proves the architecture and the weight loader are the real thing."""
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -400,6 +401,30 @@ def test_idefics3_checkpoint_that_does_not_fit_lists_every_difference(idefics3_d
 
 
 CONNECTOR = "model.connector.modality_projection.proj.weight"
+
+
+def test_the_checkpoints_image_preprocessing_is_checked(idefics3_dir, tmp_path):
+    """A checkpoint with a processor (SmolVLM's tiles images by Idefics3's rule): a config that would show it
+    images otherwise is refused with every difference in one error; the config that matches loads."""
+    _, path = idefics3_dir
+    _resave(path, tmp_path / "ckpt")
+    transformers.Idefics3ImageProcessorPil(
+        size={"longest_edge": 128}, max_image_size={"longest_edge": 32}, image_mean=[0.5] * 3, image_std=[0.5] * 3
+    ).save_pretrained(tmp_path / "ckpt")
+    plain = vlm_config(vlm_checkpoint=str(tmp_path / "ckpt"))
+    plain.vision = dataclasses.replace(VISION, image_mean=[0.4, 0.5, 0.5])
+    with pytest.raises(CheckpointMismatchError) as e:
+        build_model(plain, word_tokenizer(100))
+    for diff in (
+        "model.vision.image_mean: checkpoint [0.5, 0.5, 0.5] vs config [0.4, 0.5, 0.5]",
+        "model.vision.image_splitting: checkpoint True vs config False",
+        "model.vision.longest_edge: checkpoint 128 vs config 0",
+    ):
+        assert diff in str(e.value)
+    assert "model.vision.image_size" not in str(e.value)  # 32 on both sides
+    tiled = vlm_config(vlm_checkpoint=str(tmp_path / "ckpt"))
+    tiled.vision = dataclasses.replace(VISION, image_splitting=True, longest_edge=128)
+    build_model(tiled, word_tokenizer(100))
 
 
 # ----------------------------------------------------------------------------------------------------------
