@@ -108,6 +108,7 @@ class DataConfig:
     queue_size: int = 4  # finished packs buffered by each producer (memory = queue_size x pack size)
     pin_memory: bool = True  # pin batches when training on a GPU
     image_resize: str = "squash"  # squash | letterbox: how images reach vision.image_size
+    chat_format: str = "chatml"  # chatml | smolvlm (SmolVLM/Idefics3 instruct checkpoints): how turns are framed
     max_image_pixels: int = 64_000_000  # larger images are skipped (decompression-bomb guard)
     max_skip_rate: float = 0.1  # fail when more than this fraction of an epoch's samples is skipped
     seed: int = 1234  # data order seed (epoch order is derived from seed and epoch)
@@ -264,6 +265,7 @@ def _check_values(cfg: Config) -> None:
         "data.overlength": (cfg.data.overlength, {"drop", "truncate"}),
         "data.packing": (cfg.data.packing, {"packed", "pad_to_longest", "constrained"}),
         "data.image_resize": (cfg.data.image_resize, {"squash", "letterbox"}),
+        "data.chat_format": (cfg.data.chat_format, {"chatml", "smolvlm"}),
         "optim.schedule": (cfg.optim.schedule, {"cosine", "linear", "constant"}),
         "trainer.strategy": (cfg.trainer.strategy, {"auto", "ddp", "fsdp", "single"}),
         "trainer.logger": (cfg.trainer.logger, {"csv", "tensorboard", "none"}),

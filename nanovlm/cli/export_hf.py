@@ -54,7 +54,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         load_weights(ckpt, module)
     except (FileNotFoundError, ValueError, CheckpointModelMismatchError) as e:
         raise SystemExit(f"error: {e}") from None
-    out, why_not = export_idefics3(module.model, tokenizer, args.out, cfg.data.image_resize)
+    out, why_not = export_idefics3(module.model, tokenizer, args.out, cfg.data.image_resize, cfg.data.chat_format)
     print(f"exported {ckpt} -> {out} (transformers Idefics3ForConditionalGeneration)")
     if why_not:
         print(f"no processor config written: {why_not}")

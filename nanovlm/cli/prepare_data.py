@@ -61,7 +61,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--config",
         action="append",
         default=None,
-        help="run config(s) giving the default tokenizer, image tokens and pixel limit (default: tiny_cpu.yaml)",
+        help="run config(s) giving the default tokenizer, chat format, image tokens and pixel limit (default: tiny_cpu.yaml)",
     )
     p.add_argument(
         "--image-token-count",
@@ -90,12 +90,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 # worker side
 
 
-def _init_worker(tokenizer_path: str, max_pixels: int, allow_absolute: bool, decode: bool = True) -> None:
+def _init_worker(
+    tokenizer_path: str, chat_format: str, max_pixels: int, allow_absolute: bool, decode: bool = True
+) -> None:
     from nanovlm.data.processing import SampleProcessor
     from nanovlm.data.tokenizer import load_tokenizer
 
-    tok = load_tokenizer(tokenizer_path)
-    _STATE.update(processor=SampleProcessor(tok, 1, 1), max_pixels=max_pixels, allow_absolute=allow_absolute)
+    processor = SampleProcessor(load_tokenizer(tokenizer_path), 1, 1, chat_format=chat_format)
+    _STATE.update(processor=processor, max_pixels=max_pixels, allow_absolute=allow_absolute)
     _STATE["decode"] = decode
 
 
@@ -245,7 +247,7 @@ def run_jsonl(args, files: list[Path], out_dir: Path, tok_path: str, fingerprint
 
     image_root = Path(args.image_root) if args.image_root else None
     writer = ShardWriter(out_dir, fingerprint, itc, args.samples_per_shard, created_by="prepare_data")
-    init = (tok_path, args.max_image_pixels, args.allow_absolute_paths)
+    init = (tok_path, args.chat_format, args.max_image_pixels, args.allow_absolute_paths)
     shown = sys.stderr.isatty()  # tqdm's disable=None rule: count the lines (a whole extra pass) only for a bar
     bar = tqdm(total=_count_lines(files) if shown else None, unit="sample", desc="prepare", disable=not shown)
     try:
@@ -288,7 +290,7 @@ def run_index_only(args, in_dir: Path, out_dir: Path, tok_path: str, fingerprint
     stamps = {str(p): [p.stat().st_size, p.stat().st_mtime_ns, *settings] for p in shards}
     results = {str(p): r for p in shards if (r := load_part(parts, p, stamps[str(p)])) is not None}
     todo = [str(p) for p in shards if str(p) not in results]
-    init = (tok_path, args.max_image_pixels, False, args.image_check == "decode")
+    init = (tok_path, args.chat_format, args.max_image_pixels, False, args.image_check == "decode")
     with tqdm(total=len(shards), initial=len(results), unit="shard", desc="index", disable=None) as bar:
         for path, res in zip(todo, _results(_shard_work, iter(todo), args.workers, init, chunksize=1)):
             results[path] = res
@@ -394,7 +396,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.max_image_pixels = cfg.data.max_image_pixels
     tok_path = _resolve_tokenizer(args, cfg)
     try:
-        fingerprint = tokenizer_fingerprint(load_tokenizer(tok_path))
+        args.chat_format = cfg.data.chat_format
+        fingerprint = tokenizer_fingerprint(load_tokenizer(tok_path), args.chat_format)
     except (OSError, ValueError) as e:
         raise SystemExit(f"error: cannot load tokenizer {tok_path!r}: {e}") from None
 

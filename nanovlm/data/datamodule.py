@@ -37,17 +37,19 @@ from nanovlm.dist import all_gather_object, initialized, rank_world
 __all__ = ["DataMismatchError", "DataStateError", "PackedMultimodalDataModule", "SkipRateError"]
 
 
-def load_table(dirs: list[str], tokenizer, tokenizer_name: str, layout: ImageLayout) -> SampleTable:
-    """The sample table of dataset directories, refusing an index counted with another tokenizer."""
-    fingerprint_now = tokenizer_fingerprint(tokenizer)
+def load_table(
+    dirs: list[str], tokenizer, tokenizer_name: str, layout: ImageLayout, chat_format: str = "chatml"
+) -> SampleTable:
+    """The sample table of dataset directories, refusing an index counted with another tokenizer or chat format."""
+    fingerprint_now = tokenizer_fingerprint(tokenizer, chat_format)
     datasets = []
     for d in dirs:
         idx = load_index(d)
         if idx.tokenizer != fingerprint_now:
             raise DataMismatchError(
                 f"{d}: the index was made with tokenizer {idx.tokenizer}, but this run uses {fingerprint_now} "
-                f"({tokenizer_name}); its token lengths would be wrong. Re-run scripts/prepare_data.py "
-                "with this run's tokenizer (--tokenizer)."
+                f"({tokenizer_name}, data.chat_format={chat_format}); its token lengths would be wrong. Re-run "
+                "scripts/prepare_data.py with this run's tokenizer and config (--tokenizer, --config)."
             )
         datasets.append((str(d), idx))
     return SampleTable.from_indexes(datasets, layout)
@@ -113,7 +115,7 @@ class PackedMultimodalDataModule(L.LightningDataModule):
             if not self.cfg.train:
                 raise ValueError("data.train lists no dataset directory")
             self.processor = SampleProcessor.from_config(self.tokenizer, self.model_cfg, self.cfg)
-            args = (self.tokenizer, self.cfg.tokenizer, self.processor.layout)
+            args = (self.tokenizer, self.cfg.tokenizer, self.processor.layout, self.cfg.chat_format)
             self.table = load_table(list(self.cfg.train), *args)
             self.val_table = load_table(list(self.cfg.val), *args) if self.cfg.val else None
             if self.val_table is not None and self.cfg.val_samples > 0:  # one global subset: any topology sees it

@@ -193,14 +193,16 @@ def write_dataset(
     max_image_pixels: int = 64_000_000,
     on_skip: Callable[[SampleError], None] | None = None,
     created_by: str = "write_dataset",
+    chat_format: str = "chatml",
 ) -> DatasetIndex:
     """Validate and write ``records`` as shards + index in ``out_dir``; return the index.
 
     A bad record raises SampleError, unless ``on_skip`` is given: then it is called with the error and the
     record is left out (the caller counts and logs it).
     """
-    processor = SampleProcessor(tokenizer, image_size=1, image_token_count=image_token_count)
-    writer = ShardWriter(out_dir, tokenizer_fingerprint(tokenizer), image_token_count, samples_per_shard, created_by)
+    processor = SampleProcessor(tokenizer, image_size=1, image_token_count=image_token_count, chat_format=chat_format)
+    fingerprint = tokenizer_fingerprint(tokenizer, chat_format)
+    writer = ShardWriter(out_dir, fingerprint, image_token_count, samples_per_shard, created_by)
     try:
         for record in records:
             try:

@@ -1,13 +1,13 @@
-"""Turn one Record into model inputs: decoded, resized images and ChatML token ids with loss labels.
+"""Turn one Record into model inputs: decoded, resized images and chat-formatted token ids with loss labels.
 
-The token sequence of a conversation is built piecewise, turn by turn::
+The token sequence of a conversation is built piecewise, turn by turn (``chat.py`` holds the formats; ChatML)::
 
     <|im_start|> role\\n  content  <|im_end|> \\n
 
 with each ``<image>`` in a content replaced by the image's tokens: ``image_token_count`` copies of the ``<image>``
 id, or with image splitting its tiles' ids framed by markers (``tiling.py``). Building it
 piecewise (instead of tokenizing one rendered string) places the loss labels exactly: labels are the token ids
-on an assistant turn's content and its ``<|im_end|>`` (so the model learns to stop) and -100 everywhere else.
+on an assistant turn's content and its end token (``<|im_end|>``: the model learns to stop) and -100 everywhere else.
 Text inside a content is tokenized with special-token matching off, so a literal ``<|im_end|>`` typed by a
 user is plain text, never a turn boundary. The same piecewise encoding gives the index's ``text_tokens`` and
 the generation prompt, so training, the index and generation agree token for token.
@@ -29,6 +29,7 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 
 from nanovlm.config import DataConfig, ModelConfig, image_token_count
 from nanovlm.constants import IGNORE_INDEX, IMAGE_TOKEN
+from nanovlm.data import chat
 from nanovlm.data.format import Record, SampleError
 from nanovlm.data.tiling import (
     GLOBAL_MARKER,
@@ -41,7 +42,7 @@ from nanovlm.data.tiling import (
     idefics3_tiled,
     position_marker,
 )
-from nanovlm.data.tokenizer import IM_END, IM_START, plain_text_tokenizer
+from nanovlm.data.tokenizer import plain_text_tokenizer
 
 LETTERBOX_FILL = (128, 128, 128)  # ~the normalisation mean, so padding is ~0 after normalisation
 CACHED_PIECES = 4096  # text pieces whose token ids are kept (see SampleProcessor._encode_text)
@@ -239,7 +240,7 @@ class ProcessedSample:
 
     key: str
     input_ids: torch.Tensor  # LongTensor [L]
-    labels: torch.Tensor  # LongTensor [L], -100 except on assistant content and its <|im_end|>
+    labels: torch.Tensor  # LongTensor [L], -100 except on assistant content and its end token
     pixel_values: torch.Tensor  # uint8 [n_img, 3, H, W]
     truncated: bool = False
 
@@ -256,6 +257,7 @@ class SampleProcessor:
         """The processor a run with these configs trains on."""
         vision = model_cfg.vision
         args = (vision.image_size, image_token_count(model_cfg), data_cfg.image_resize, data_cfg.max_image_pixels)
+        args += (data_cfg.chat_format,)
         if not vision.image_splitting:
             return cls(tokenizer, *args)
         if vision.longest_edge:
@@ -270,6 +272,7 @@ class SampleProcessor:
         image_token_count: int,
         resize: str = "squash",
         max_image_pixels: int = 64_000_000,
+        chat_format: str = "chatml",
         max_tiles: int = 0,
         longest_edge: int = 0,
     ):
@@ -281,14 +284,16 @@ class SampleProcessor:
         self.resize = resize
         self.max_image_pixels = max_image_pixels
         self._text = plain_text_tokenizer(tokenizer)  # content text is plain text (no special tokens, no padding)
-        self._ids = self._special_ids(tokenizer, (IM_START, IM_END, IMAGE_TOKEN) + (SPLIT_TOKENS if max_tiles else ()))
-        self.im_start_id, self.im_end_id, self.image_token_id = (self._ids[t] for t in (IM_START, IM_END, IMAGE_TOKEN))
+        self.chat_format = chat.check_format(chat_format)
+        needed = (*chat.special_tokens(chat_format), IMAGE_TOKEN, *(SPLIT_TOKENS if max_tiles else ()))
+        self._ids = self._special_ids(tokenizer, needed)
+        self.end_id, self.image_token_id = self._ids[chat.end_token(chat_format)], self._ids[IMAGE_TOKEN]
+        self._start = [self._ids[t] for t in chat.conversation_start(chat_format)]
         # Prompts repeat across a dataset ("Describe the image.", the demo's questions): one tokenizer call
         # costs ~20 us, a dict hit well under 1. Short pieces only, and the first CACHED_PIECES distinct ones
         # (a plain dict: picklable, no eviction work), so memory stays under ~4 MB.
         self._piece_ids: dict[str, tuple[int, ...]] = {}
         self._newline = self._encode_text("\n")
-        self._headers: dict[str, list[int]] = {}
         self._grid_ids: dict[tuple[int, int], tuple[int, ...]] = {}
         nl2 = len(self._encode_text("\n\n"))
         self.layout = ImageLayout(image_size, image_token_count, max_tiles, len(self._newline), nl2, longest_edge)
@@ -308,7 +313,8 @@ class SampleProcessor:
         if missing:
             raise ValueError(
                 f"tokenizer lacks special tokens {missing[:4]}{' ...' if len(missing) > 4 else ''}; load it with "
-                "nanovlm.data.tokenizer.load_tokenizer (image_splitting=True adds the grid markers)"
+                "nanovlm.data.tokenizer.load_tokenizer (image_splitting=True adds the grid markers; "
+                f"{chat.END_OF_UTTERANCE} for data.chat_format=smolvlm comes with SmolVLM's tokenizer)"
             )
         return ids
 
@@ -323,10 +329,8 @@ class SampleProcessor:
                 self._piece_ids[text] = ids
         return ids
 
-    def _header(self, role: str) -> list[int]:
-        if role not in self._headers:
-            self._headers[role] = [self.im_start_id, *self._encode_text(role + "\n")]
-        return self._headers[role]
+    def _pieces(self, specials: Sequence[str], text: str) -> list[int]:
+        return [self._ids[t] for t in specials] + list(self._encode_text(text))
 
     # ---- images ------------------------------------------------------------------------------------------
 
@@ -408,14 +412,15 @@ class SampleProcessor:
             n = sum(m["content"].count(IMAGE_TOKEN) for m in messages)
             image_ids = [self.image_ids()] * n
         images = iter(image_ids)
-        ids: list[int] = []
-        labels: list[int] = []
+        ids: list[int] = list(self._start)
+        labels: list[int] = [IGNORE_INDEX] * len(ids)
         spans: list[tuple[int, int]] = []
         for m in messages:
-            header = self._header(m["role"])
+            specials, head, text = chat.turn(self.chat_format, m["role"], m["content"])
+            header = self._pieces(specials, head)
             ids += header
             labels += [IGNORE_INDEX] * len(header)
-            content, content_spans = self._content(m["content"], images)
+            content, content_spans = self._content(text, images)
             spans += [(len(ids) + a, len(ids) + b) for a, b in content_spans]
             ids += content
             if m["role"] == "assistant":
@@ -423,11 +428,11 @@ class SampleProcessor:
                 for a, b in content_spans:
                     masked[a:b] = [IGNORE_INDEX] * (b - a)
                 labels += masked
-                labels.append(self.im_end_id)
+                labels.append(self.end_id)
             else:
                 labels += [IGNORE_INDEX] * len(content)
                 labels.append(IGNORE_INDEX)
-            ids.append(self.im_end_id)
+            ids.append(self.end_id)
             ids += self._newline
             labels += [IGNORE_INDEX] * len(self._newline)
         return ids, labels, spans
@@ -444,12 +449,12 @@ class SampleProcessor:
         self, messages: list[dict], images: Sequence[bytes] = (), key: str = ""
     ) -> tuple[list[int], torch.Tensor]:
         """(ids, pixel values) to generate the next assistant turn from: the conversation with its images laid out
-        as in training, then ``<|im_start|>assistant\\n``. Raises SampleError for a placeholder/image mismatch
+        as in training, then the opening of the assistant's turn (``chat.generation_prompt``). Raises SampleError for a placeholder/image mismatch
         and for unreadable images."""
         self._check_images(messages, images, key)
         opened = [self._open(b, key) for b in images]
         ids, _ = self.encode(messages, [self.image_ids(g) for _, g in opened])
-        return ids + self._header("assistant"), self._pixels(opened, key)
+        return ids + self._pieces(*chat.generation_prompt(self.chat_format)), self._pixels(opened, key)
 
     @staticmethod
     def _check_images(messages: list[dict], images: Sequence[bytes], key: str) -> None:

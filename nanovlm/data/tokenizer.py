@@ -34,20 +34,6 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 
-# The same ChatML for a transformers processor, whose messages may also hold content as a list of parts
-# ({"type": "text", "text": ...} / {"type": "image"}): written into exported checkpoints (model/export.py).
-PROCESSOR_CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' }}"
-    "{% if message['content'] is string %}{{ message['content'] }}"
-    "{% else %}{% for part in message['content'] %}"
-    "{% if part['type'] == 'text' %}{{ part['text'] }}{% elif part['type'] == 'image' %}{{ '<image>' }}{% endif %}"
-    "{% endfor %}{% endif %}"
-    "{{ '<|im_end|>' + '\\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
-)
-
 
 def _ensure_special_tokens(tok: PreTrainedTokenizerBase, image_splitting: bool) -> PreTrainedTokenizerBase:
     """Add missing special tokens, set pad/eos, and a ChatML chat template when the tokenizer has none."""
@@ -147,7 +133,7 @@ def _hash(payload: dict) -> str:
     return hashlib.sha256(blob).hexdigest()[:16]
 
 
-def tokenizer_fingerprint(tok: PreTrainedTokenizerBase) -> str:
+def tokenizer_fingerprint(tok: PreTrainedTokenizerBase, chat_format: str = "chatml") -> str:
     """Short hash of vocabulary, special tokens, chat template and how a probe text tokenizes.
 
     Stored in a dataset index: token lengths in an index are only valid for the tokenizer that counted them.
@@ -155,7 +141,8 @@ def tokenizer_fingerprint(tok: PreTrainedTokenizerBase) -> str:
     normalizer or merge list). (The value's layout, a hash of the vocabulary hash and the probe ids behind
     ``2-``, is what every index written so far stores.) The grid markers are left out: they are special tokens
     appended to the vocabulary, which changes no count of content text, so one prepared dataset serves runs
-    with and without image splitting.
+    with and without image splitting. A chat format other than ChatML (``chat.py``) frames turns with other
+    tokens, so it is named in the value.
     """
     markers = set(SPLIT_TOKENS)
     vocab = _hash(
@@ -168,4 +155,5 @@ def tokenizer_fingerprint(tok: PreTrainedTokenizerBase) -> str:
         }
     )
     probe = plain_text_tokenizer(tok).encode(_PROBE, add_special_tokens=False).ids  # as SampleProcessor counts
-    return "2-" + _hash({"legacy": vocab, "probe": probe})
+    counted = "2-" + _hash({"legacy": vocab, "probe": probe})
+    return counted if chat_format == "chatml" else f"{counted}+{chat_format}"  # another framing, other counts

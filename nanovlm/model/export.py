@@ -10,7 +10,7 @@ grid markers when the run split images).
 ``idefics3_processor`` adds the processor (``preprocessor_config.json``, ``processor_config.json``, the chat
 template) when transformers' ``Idefics3Processor`` lays images out exactly as training did: with image splitting
 (every image framed by markers) under Idefics3's grid rule (``model.vision.longest_edge``), or with one squashed
-view per image (``max_tiles=1``). Its chat template is the ChatML the run trained on. Other layouts (no markers,
+view per image (``max_tiles=1``). Its chat template is the one the run trained with (``data.chat_format``). Other layouts (no markers,
 our own grid rule, letterboxing) have no transformers equivalent: the export then says so and writes no
 processor rather than one that would feed the model other sequences than it learned.
 """
@@ -94,12 +94,12 @@ def idefics3_state_dict(model) -> dict[str, torch.Tensor]:
 LANCZOS, BICUBIC = 1, 3  # PIL resampling filters, as transformers' image processors record them
 
 
-def idefics3_processor(model_cfg, tokenizer, image_resize: str = "squash"):
+def idefics3_processor(model_cfg, tokenizer, image_resize: str = "squash", chat_format: str = "chatml"):
     """(an ``Idefics3Processor`` that prepares inputs as training did, or None, and why not when None)."""
     from transformers import Idefics3ImageProcessorPil, Idefics3Processor
 
     from nanovlm.config import image_token_count
-    from nanovlm.data.tokenizer import PROCESSOR_CHAT_TEMPLATE
+    from nanovlm.data.chat import TEMPLATES
 
     v = model_cfg.vision
     common = dict(
@@ -123,18 +123,20 @@ def idefics3_processor(model_cfg, tokenizer, image_resize: str = "squash"):
             "Idefics3's rule)"
         )
     return Idefics3Processor(
-        images, tokenizer, image_seq_len=image_token_count(model_cfg), chat_template=PROCESSOR_CHAT_TEMPLATE
+        images, tokenizer, image_seq_len=image_token_count(model_cfg), chat_template=TEMPLATES[chat_format]
     ), ""
 
 
-def export_idefics3(model, tokenizer, out_dir: str | os.PathLike, image_resize: str = "squash") -> tuple[Path, str]:
+def export_idefics3(
+    model, tokenizer, out_dir: str | os.PathLike, image_resize: str = "squash", chat_format: str = "chatml"
+) -> tuple[Path, str]:
     """Write ``model``, ``tokenizer`` and (where one exists, see the module docstring) its processor as a
     transformers Idefics3 checkpoint directory; returns it and why no processor was written ("" when one was)."""
     import copy
 
     from safetensors.torch import save_file
 
-    from nanovlm.data.tokenizer import PROCESSOR_CHAT_TEMPLATE
+    from nanovlm.data.chat import TEMPLATES
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -146,7 +148,7 @@ def export_idefics3(model, tokenizer, out_dir: str | os.PathLike, image_resize: 
         state.pop("lm_head.weight", None)  # transformers ties it to the embedding on load
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
     tokenizer = copy.deepcopy(tokenizer)  # the processor adds its tokens to it: leave the caller's alone
-    tokenizer.chat_template = PROCESSOR_CHAT_TEMPLATE  # the format the run trained on, not the one it came with
-    processor, why_not = idefics3_processor(model.cfg, tokenizer, image_resize)
+    tokenizer.chat_template = TEMPLATES[chat_format]  # the format the run trained on, not the one it came with
+    processor, why_not = idefics3_processor(model.cfg, tokenizer, image_resize, chat_format)
     (processor or tokenizer).save_pretrained(out)
     return out, why_not

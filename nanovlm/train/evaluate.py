@@ -126,10 +126,9 @@ def evaluate_answers(
     """
     from nanovlm.data.format import SampleError
     from nanovlm.data.processing import SampleProcessor
-    from nanovlm.data.tokenizer import IM_END
 
     processor = SampleProcessor.from_config(tokenizer, cfg.model, cfg.data)
-    eos = tokenizer.convert_tokens_to_ids(IM_END)
+    eos = processor.end_id  # the token that closes a turn in the run's chat format
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()

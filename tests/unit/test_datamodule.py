@@ -625,6 +625,21 @@ def test_index_made_with_another_tokenizer_fails_setup(tmp_path, tiny_tokenizer)
         data_module(path, tiny_tokenizer)
 
 
+def test_index_counted_in_another_chat_format_fails_setup(tmp_path, tiny_tokenizer):
+    """Data prepared for ChatML, trained with data.chat_format=smolvlm: its lengths count other turn framing."""
+    import copy
+
+    from nanovlm.data.datamodule import DataMismatchError
+
+    tok = copy.deepcopy(tiny_tokenizer)
+    tok.add_special_tokens({"additional_special_tokens": ["<end_of_utterance>"]}, replace_extra_special_tokens=False)
+    path = tmp_path / "ds"
+    make_fault_dataset(path, tok)
+    with pytest.raises(DataMismatchError, match="data.chat_format=smolvlm.*--config"):
+        data_module(path, tok, **{"data.chat_format": "smolvlm"})
+    assert data_module(path, tok).table is not None
+
+
 def test_wrong_token_count_in_index_is_an_error_naming_the_sample(tmp_path, tiny_tokenizer):
     """An index whose token count disagrees with the sample (not a bad sample: a bad index) stops the stream
     with the sample key and shard, instead of training on a plan that is no longer true."""

@@ -3,6 +3,7 @@ prepared (token ids, pixels), so the exported model gives our logits on a conver
 
 from __future__ import annotations
 
+import copy
 import io
 
 import numpy as np
@@ -22,10 +23,22 @@ IDEFICS3_RULE = [*SPLIT, "model.vision.longest_edge=96"]  # 3 tiles of 32 px on 
 ONE_VIEW = [*SPLIT, "model.vision.max_tiles=1"]
 
 
+# SmolVLM's chat template as its processor ships it (list content only): the reference for data.chat_format=smolvlm
+SMOLVLM_TEMPLATE = (
+    "<|im_start|>{% for message in messages %}{{message['role'] | capitalize}}{% if message['content'][0]['type'] == "
+    "'image' %}{{':'}}{% else %}{{': '}}{% endif %}{% for line in message['content'] %}{% if line['type'] == 'text' %}"
+    "{{line['text']}}{% elif line['type'] == 'image' %}{{ '<image>' }}{% endif %}{% endfor %}<end_of_utterance>\n"
+    "{% endfor %}{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}"
+)
+
+
 @pytest.fixture(scope="module")
 def split_tokenizer_dir(tiny_tokenizer, tmp_path_factory):
+    """The tiny tokenizer, with SmolVLM's end-of-turn token added (as SmolVLM's tokenizer has it)."""
     path = tmp_path_factory.mktemp("tok") / "tok"
-    tiny_tokenizer.save_pretrained(path)
+    tok = copy.deepcopy(tiny_tokenizer)
+    tok.add_special_tokens({"additional_special_tokens": ["<end_of_utterance>"]}, replace_extra_special_tokens=False)
+    tok.save_pretrained(path)
     return path
 
 
@@ -41,7 +54,7 @@ def exported(tmp_path, tokenizer_dir, overrides: list[str]):
     tok = load_tokenizer(tokenizer_dir, cfg.model.vision.image_splitting)
     torch.manual_seed(0)
     model = build_model(cfg.model, tok).eval()
-    out, why_not = export_idefics3(model, tok, tmp_path / "out", cfg.data.image_resize)
+    out, why_not = export_idefics3(model, tok, tmp_path / "out", cfg.data.image_resize, cfg.data.chat_format)
     return cfg, tok, model, out, why_not
 
 
@@ -57,7 +70,11 @@ def our_logits(model, ids: list[int], pixels: torch.Tensor) -> torch.Tensor:
         return model(batch)["logits"][0]
 
 
-@pytest.mark.parametrize("overrides", [IDEFICS3_RULE, ONE_VIEW], ids=["idefics3_rule", "one_view"])
+@pytest.mark.parametrize(
+    "overrides",
+    [IDEFICS3_RULE, ONE_VIEW, [*IDEFICS3_RULE, "data.chat_format=smolvlm"]],
+    ids=["idefics3_rule", "one_view", "smolvlm_chat"],
+)
 def test_auto_processor_prepares_what_training_prepared(tmp_path, split_tokenizer_dir, overrides):
     cfg, tok, model, out, why_not = exported(tmp_path, split_tokenizer_dir, overrides)
     assert why_not == ""
@@ -73,10 +90,17 @@ def test_auto_processor_prepares_what_training_prepared(tmp_path, split_tokenize
     hf_messages = [
         {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "what is here? and "}, {"type": "image"}]},
         {"role": "assistant", "content": [{"type": "text", "text": "a red square"}]},
-        {"role": "user", "content": "and the colour?"},
+        {"role": "user", "content": [{"type": "text", "text": "and the colour?"}]},
     ]  # fmt: skip
     ids, pixels = ours.prompt(messages, images)
     text = hf_proc.apply_chat_template(hf_messages, add_generation_prompt=True)
+    as_string = [{"role": "user", "content": "<image>what is here? and <image>"}]  # content as one string
+    assert hf_proc.apply_chat_template(as_string) == hf_proc.apply_chat_template(hf_messages[:1])
+    if cfg.data.chat_format == "smolvlm":  # the exported template renders as SmolVLM's own does
+        assert text == hf_proc.apply_chat_template(
+            hf_messages, add_generation_prompt=True, chat_template=SMOLVLM_TEMPLATE
+        )
+        assert text.startswith("<|im_start|>User:<image>what is here?") and text.endswith("\nAssistant:")
     pil = [Image.open(io.BytesIO(b)) for b in images]
     enc = hf_proc(text=text, images=pil, return_tensors="pt")
     assert enc["input_ids"][0].tolist() == ids

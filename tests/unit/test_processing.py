@@ -100,6 +100,34 @@ def test_cached_piece_encodings_equal_fresh_ones_and_the_cache_is_bounded(tiny_t
     assert long_text not in cached._piece_ids
 
 
+def test_smolvlm_chat_format_ids_and_labels_exact(tiny_tokenizer):
+    """data.chat_format=smolvlm: one <|im_start|>, capitalised roles, ": " before text and ":" before an image;
+    the loss is on each answer (its leading space included) and its <end_of_utterance>, as SmolVLM was tuned."""
+    import copy
+
+    tok = copy.deepcopy(tiny_tokenizer)
+    tok.add_special_tokens({"additional_special_tokens": ["<end_of_utterance>"]}, replace_extra_special_tokens=False)
+    proc = SampleProcessor(tok, image_size=8, image_token_count=IMG_TOKENS, chat_format="smolvlm")
+    msgs = conv("<image>what colour?", "red") + conv("and?", "blue")
+    s = proc.process(Record("k", msgs, [png()]))
+    enc = lambda t: tok(t, add_special_tokens=False)["input_ids"]  # noqa: E731
+    S, E, IMG = (tok.convert_tokens_to_ids(t) for t in ("<|im_start|>", "<end_of_utterance>", "<image>"))
+    nl = enc("\n")
+    expected = (
+        [S] + enc("User:") + [IMG] * IMG_TOKENS + enc("what colour?") + [E] + nl
+        + enc("Assistant:") + enc(" red") + [E] + nl
+        + enc("User:") + enc(" and?") + [E] + nl
+        + enc("Assistant:") + enc(" blue") + [E] + nl
+    )  # fmt: skip
+    assert s.input_ids.tolist() == expected
+    assert [t for t in s.labels.tolist() if t != IGNORE_INDEX] == enc(" red") + [E] + enc(" blue") + [E]
+    ids, _ = proc.prompt(msgs[:1], [png()])
+    assert ids == expected[: expected.index(E) + 1 + len(nl)] + enc("Assistant:")
+    assert proc.end_id == E  # where generation stops
+    with pytest.raises(ValueError, match="lacks special tokens.*<end_of_utterance>"):
+        SampleProcessor(tiny_tokenizer, image_size=8, image_token_count=IMG_TOKENS, chat_format="smolvlm")
+
+
 def test_prompt_ends_with_assistant_header(proc, tiny_tokenizer):
     msgs = conv("<image>what?", "x")[:1]
     ids, pixels = proc.prompt(msgs, [png()])
