@@ -23,6 +23,7 @@ Name maps (ours -> transformers):
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 from pathlib import Path
@@ -416,6 +417,28 @@ def _check_vlm_processor(vision, directory: Path, name_or_path: str) -> None:
         "Set these keys to what the checkpoint's processor (its preprocessor_config.json) does, so that images "
         "reach the model as they did in its training.",
     )
+
+
+def checkpoint_chat_format(name_or_path: str) -> str | None:
+    """The chat format (``data/chat.py``) a checkpoint was tuned with, read from the chat template it ships
+    (processor or tokenizer): "smolvlm" when its turns end with <end_of_utterance>, "chatml" with <|im_end|>,
+    None without a template."""
+    from nanovlm.data.chat import END_OF_UTTERANCE
+    from nanovlm.data.tokenizer import IM_END
+
+    directory = resolve_checkpoint(name_or_path)
+    templates = (
+        [(directory / "chat_template.jinja").read_text()] if (directory / "chat_template.jinja").is_file() else []
+    )
+    for name in ("chat_template.json", "processor_config.json", "tokenizer_config.json"):
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            templates.append(str(json.loads((directory / name).read_text()).get("chat_template") or ""))
+    for template in filter(None, templates):
+        if END_OF_UTTERANCE in template:
+            return "smolvlm"
+        if IM_END in template:
+            return "chatml"
+    return None
 
 
 def check_tokenizer(tokenizer, name_or_path: str) -> None:

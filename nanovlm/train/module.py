@@ -8,6 +8,7 @@ activation checkpointing / compile in ``configure_model``, and the per-rank RNG 
 from __future__ import annotations
 
 import inspect
+import logging
 import random
 from typing import Any
 
@@ -20,6 +21,8 @@ from nanovlm.config import Config
 from nanovlm.dist import all_gather_object, all_reduce_sum, rank_world
 from nanovlm.model import build_model
 from nanovlm.train import optim, strategies
+
+log = logging.getLogger(__name__)
 
 
 def _rng_state() -> dict[str, Any]:
@@ -64,6 +67,23 @@ def optimizer_state_by_name(state: dict[str, Any], optimizer: torch.optim.Optimi
     }
 
 
+def warn_on_other_chat_format(checkpoint: str, chat_format: str) -> None:
+    """Fine-tuning an instruct checkpoint in another chat format than it was tuned with is allowed (it relearns
+    the framing) but rarely meant: say so once, at the start."""
+    from nanovlm.model.pretrained import checkpoint_chat_format
+
+    theirs = checkpoint_chat_format(checkpoint)
+    if theirs is not None and theirs != chat_format:
+        log.warning(
+            "%s was tuned with the %s chat format but data.chat_format=%s: training teaches it another framing of "
+            "turns (set data.chat_format=%s to keep its own, and prepare the data with that config)",
+            checkpoint,
+            theirs,
+            chat_format,
+            theirs,
+        )
+
+
 class VLMModule(pl.LightningModule):
     """Wraps ``NanoVLM`` for Lightning. ``model`` may be passed in (tests, custom projects); otherwise it is
     built from ``cfg.model`` and ``tokenizer``."""
@@ -72,6 +92,8 @@ class VLMModule(pl.LightningModule):
         super().__init__()
         self.cfg = cfg
         self.model = model if model is not None else build_model(cfg.model, tokenizer)
+        if model is None and cfg.model.vlm_checkpoint:
+            warn_on_other_chat_format(cfg.model.vlm_checkpoint, cfg.data.chat_format)
         optim.apply_freezing(self.model, cfg.optim)
         # NanoVLM runs the LM head only where a loss is taken; a custom model without that option still works
         self.head_on_loss_positions = "return_logits" in inspect.signature(self.model.forward).parameters

@@ -69,6 +69,13 @@ def test_bare_config_name_is_looked_up_in_configs_dir():
     assert image_token_count(cfg.model) == 64
 
 
+def test_smolvlm_preset_is_smolvlms_layout_on_top_of_base():
+    cfg = load_config(["base.yaml", "model_smolvlm_256m.yaml"])
+    assert image_token_count(cfg.model) == 64 and cfg.data.chat_format == "smolvlm"
+    assert (cfg.model.vision.image_splitting, cfg.model.vision.longest_edge) == (True, 2048)
+    assert cfg.data.tokenizer == cfg.model.vlm_checkpoint  # its own tokenizer: the ids of its embedding rows
+
+
 def test_misspelled_override_names_key_and_suggestion():
     with pytest.raises(ConfigError) as e:
         load_config([], ["trainer.max_stepz=1"])

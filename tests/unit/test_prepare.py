@@ -368,6 +368,37 @@ def test_prepare_data_deterministic_across_workers_and_reruns(tmp_path, user_dat
     assert load_index(tmp_path / "w1").num_samples == 4 * 5 + 4
 
 
+def test_prepare_data_counts_in_the_configs_chat_format(tmp_path, user_data, tiny_tokenizer):
+    """--config with data.chat_format=smolvlm: lengths counted in that framing, the index says so, and a run in
+    that format reads it (its planned lengths equal the processed ones)."""
+    import copy
+
+    from nanovlm.config import load_config
+    from nanovlm.data.datamodule import load_table
+    from nanovlm.data.tokenizer import load_tokenizer
+
+    jsonl, imgs = user_data
+    tok = copy.deepcopy(tiny_tokenizer)
+    tok.add_special_tokens({"additional_special_tokens": ["<end_of_utterance>"]}, replace_extra_special_tokens=False)
+    tok.save_pretrained(tmp_path / "tok")
+    cfg_file = tmp_path / "smol.yaml"
+    cfg_file.write_text(f"data: {{tokenizer: {tmp_path / 'tok'}, chat_format: smolvlm}}\n")
+    args = ["--input", str(jsonl), "--image-root", str(imgs), "--output", str(tmp_path / "ds"), "--config"]
+    from nanovlm.cli.prepare_data import main
+
+    assert main([*args, str(cfg_file), "--max-image-pixels", "50000"]) == 0
+    index = load_index(tmp_path / "ds")
+    assert index.tokenizer.endswith("+smolvlm")
+    cfg = load_config([str(cfg_file)])
+    proc = SampleProcessor.from_config(load_tokenizer(tmp_path / "tok"), cfg.model, cfg.data)
+    table = load_table([str(tmp_path / "ds")], proc.tokenizer, "tok", proc.layout, "smolvlm")
+    reader = ShardReader()
+    for gid in range(len(table)):
+        sample = proc.process(reader.read(*table.locate(gid)))
+        assert len(sample.input_ids) == table.length[gid]
+        assert sample.input_ids[0] == proc.tokenizer.convert_tokens_to_ids("<|im_start|>")
+
+
 def test_prepare_data_index_only_for_existing_webdataset(tmp_path, tiny_tokenizer, capsys):
     """img2dataset-style shards (jpg + txt + json metadata), with a corrupt image and a key without text."""
     src = tmp_path / "wds"

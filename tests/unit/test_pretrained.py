@@ -403,6 +403,22 @@ def test_idefics3_checkpoint_that_does_not_fit_lists_every_difference(idefics3_d
 CONNECTOR = "model.connector.modality_projection.proj.weight"
 
 
+def test_a_checkpoint_tuned_in_another_chat_format_is_named_at_start(idefics3_dir, tmp_path, caplog):
+    from nanovlm.model.pretrained import checkpoint_chat_format
+    from nanovlm.train.module import warn_on_other_chat_format
+
+    _, path = idefics3_dir
+    assert checkpoint_chat_format(str(path)) is None  # no template shipped
+    ckpt = _resave(path, tmp_path / "ckpt")
+    (ckpt / "chat_template.json").write_text('{"chat_template": "<|im_start|>{{ m }}<end_of_utterance>\\n"}')
+    assert checkpoint_chat_format(str(ckpt)) == "smolvlm"
+    with caplog.at_level("WARNING"):
+        warn_on_other_chat_format(str(ckpt), "smolvlm")
+        assert not caplog.records
+        warn_on_other_chat_format(str(ckpt), "chatml")
+    assert "tuned with the smolvlm chat format but data.chat_format=chatml" in caplog.text
+
+
 def test_the_checkpoints_image_preprocessing_is_checked(idefics3_dir, tmp_path):
     """A checkpoint with a processor (SmolVLM's tiles images by Idefics3's rule): a config that would show it
     images otherwise is refused with every difference in one error; the config that matches loads."""
