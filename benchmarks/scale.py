@@ -158,7 +158,7 @@ def measure_prepare(shards_dir: Path, tokenizer: str, log, min_seconds: float = 
     shards = sorted(str(p) for p in shards_dir.iterdir() if p.name.endswith(".tar"))
     out: dict[str, Any] = {"shards": str(shards_dir), "n_shards": len(shards)}
     for check in ("decode", "header"):
-        prepare_data._init_worker(tokenizer, 0, False, check == "decode")
+        prepare_data._init_worker(tokenizer, "chatml", 0, False, check == "decode")
         prepare_data._shard_work(shards[0])  # warm-up: imports, page cache
         n, t0 = 0, time.perf_counter()
         while time.perf_counter() - t0 < min_seconds:
