@@ -54,11 +54,12 @@ def _layout(cfg, itc: int):
     from nanovlm.data.processing import SampleProcessor
     from nanovlm.data.tokenizer import load_tokenizer
 
-    try:
+    try:  # split grids' newline counts are the tokenizer's
         tok = load_tokenizer(cfg.data.tokenizer, image_splitting=True)
-    except (OSError, ValueError) as e:  # split grids' newline counts are the tokenizer's
+        layout = SampleProcessor.from_config(tok, cfg.model, cfg.data).layout
+    except (OSError, ValueError) as e:
         raise SystemExit(f"error: image splitting needs the run's tokenizer: {e}") from None
-    return dataclasses.replace(SampleProcessor.from_config(tok, cfg.model, cfg.data).layout, tokens_per_tile=itc)
+    return dataclasses.replace(layout, tokens_per_tile=itc)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

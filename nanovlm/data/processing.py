@@ -257,13 +257,13 @@ class SampleProcessor:
         """The processor a run with these configs trains on."""
         vision = model_cfg.vision
         args = (vision.image_size, image_token_count(model_cfg), data_cfg.image_resize, data_cfg.max_image_pixels)
-        args += (data_cfg.chat_format,)
+        fmt = data_cfg.chat_format
         if not vision.image_splitting:
-            return cls(tokenizer, *args)
+            return cls(tokenizer, *args, chat_format=fmt)
         if vision.longest_edge:
             side = idefics3_side(vision.image_size, vision.longest_edge)
-            return cls(tokenizer, *args, max_tiles=side * side, longest_edge=vision.longest_edge)
-        return cls(tokenizer, *args, max_tiles=vision.max_tiles)
+            return cls(tokenizer, *args, max_tiles=side * side, longest_edge=vision.longest_edge, chat_format=fmt)
+        return cls(tokenizer, *args, max_tiles=vision.max_tiles, chat_format=fmt)
 
     def __init__(
         self,
@@ -272,9 +272,9 @@ class SampleProcessor:
         image_token_count: int,
         resize: str = "squash",
         max_image_pixels: int = 64_000_000,
-        chat_format: str = "chatml",
         max_tiles: int = 0,
         longest_edge: int = 0,
+        chat_format: str = "chatml",
     ):
         if resize not in ("squash", "letterbox"):
             raise ValueError(f"unknown resize mode {resize!r}; choose squash or letterbox")

@@ -409,7 +409,7 @@ def _no_pack_message(epoch: int, n: int, topology: Topology, skips: dict[str, np
         if "overlength" in skips:
             fixes.append("raise data.max_tokens or set data.overlength=truncate")
         if "too_many_images" in skips or "too_many_tiles" in skips:
-            fixes.append("raise data.max_images (or, for tiles, lower model.vision.max_tiles)")
+            fixes.append("raise data.max_images (or, for tiles, lower model.vision.max_tiles or longest_edge)")
         if "empty" in skips:
             fixes.append("re-prepare the data: its index has samples without tokens")
         return (

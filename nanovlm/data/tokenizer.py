@@ -39,7 +39,9 @@ def _ensure_special_tokens(tok: PreTrainedTokenizerBase, image_splitting: bool) 
     """Add missing special tokens, set pad/eos, and a ChatML chat template when the tokenizer has none."""
     vocab = tok.get_vocab()
     wanted = SPECIAL_TOKENS + (SPLIT_TOKENS if image_splitting else ())
-    missing = [t for t in wanted if t not in vocab]
+    has_pad = tok.pad_token is not None and tok.pad_token_id is not None
+    # a tokenizer that pads already needs no <|pad|>: one token more would not fit a checkpoint's embedding
+    missing = [t for t in wanted if t not in vocab and not (t == PAD_TOKEN and has_pad)]
     if missing:
         # appended: replacing the list would drop the tokenizer's other extra special tokens (and change its
         # fingerprint)

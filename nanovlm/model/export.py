@@ -27,9 +27,11 @@ from nanovlm.model.pretrained import CONNECTOR_WEIGHT, language_names, vision_na
 VISION_PREFIX, TEXT_PREFIX = "model.vision_model.", "model.text_model."
 
 
-def idefics3_config(model, tokenizer):
-    """The ``Idefics3Config`` that describes ``model``."""
+def idefics3_config(model, tokenizer, chat_format: str = "chatml"):
+    """The ``Idefics3Config`` that describes ``model`` (its eos: the token that ends a turn in its chat format)."""
     from transformers import Idefics3Config, LlamaConfig
+
+    from nanovlm.data.chat import end_token
 
     cfg = model.cfg
     v, lang = cfg.vision, cfg.language
@@ -47,7 +49,7 @@ def idefics3_config(model, tokenizer):
         hidden_act="silu",
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
+        eos_token_id=tokenizer.convert_tokens_to_ids(end_token(chat_format)),
     )
     vision = dict(
         hidden_size=v.hidden_size,
@@ -140,7 +142,7 @@ def export_idefics3(
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    config = idefics3_config(model, tokenizer)
+    config = idefics3_config(model, tokenizer, chat_format)
     config.architectures = ["Idefics3ForConditionalGeneration"]
     config.save_pretrained(out)
     state = idefics3_state_dict(model)

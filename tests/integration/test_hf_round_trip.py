@@ -73,7 +73,7 @@ def test_idefics3_in_train_export_out_equal_logits(small_demo, tmp_path):
     question = record.messages[:1]  # the first user turn, with its images
     ids, pixels = SampleProcessor.from_config(tok, cfg.model, cfg.data).prompt(question, record.images)
     assert len(pixels) > len(record.images)  # tiled
-    hf_proc = transformers.AutoProcessor.from_pretrained(out)
+    hf_proc = transformers.AutoProcessor.from_pretrained(out, backend="pil")
     text = hf_proc.apply_chat_template(question, add_generation_prompt=True)
     enc = hf_proc(text=text, images=[Image.open(io.BytesIO(b)) for b in record.images], return_tensors="pt")
     assert enc["input_ids"][0].tolist() == ids

@@ -78,7 +78,7 @@ def our_logits(model, ids: list[int], pixels: torch.Tensor) -> torch.Tensor:
 def test_auto_processor_prepares_what_training_prepared(tmp_path, split_tokenizer_dir, overrides):
     cfg, tok, model, out, why_not = exported(tmp_path, split_tokenizer_dir, overrides)
     assert why_not == ""
-    hf_proc = transformers.AutoProcessor.from_pretrained(out)
+    hf_proc = transformers.AutoProcessor.from_pretrained(out, backend="pil")
     hf_model = transformers.Idefics3ForConditionalGeneration.from_pretrained(out).eval()
     ours = SampleProcessor.from_config(tok, cfg.model, cfg.data)
     images = [png(150, 40, 0), png(33, 90, 1)]  # a wide strip and a tall image: grids 1 x 3 and 3 x 2
@@ -108,6 +108,8 @@ def test_auto_processor_prepares_what_training_prepared(tmp_path, split_tokenize
     normalised = (pixels.float() / 255 - mean[:, None, None]) / std[:, None, None]
     theirs = enc["pixel_values"][0][enc["pixel_attention_mask"][0].flatten(1).any(1)]  # its padding images dropped
     torch.testing.assert_close(theirs, normalised, atol=1e-6, rtol=0)
+    end = "<end_of_utterance>" if cfg.data.chat_format == "smolvlm" else "<|im_end|>"
+    assert hf_model.config.text_config.eos_token_id == tok.convert_tokens_to_ids(end)  # generation stops per turn
     if overrides is IDEFICS3_RULE:
         assert len(pixels) == (3 + 1) + (6 + 1)  # the tiles really were split, as transformers split them
     with torch.no_grad():

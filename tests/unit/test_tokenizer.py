@@ -85,6 +85,11 @@ def test_load_adds_missing_special_tokens(tmp_path):
     for t in SPECIAL_TOKENS:
         assert tok(t, add_special_tokens=False)["input_ids"] == [tok.convert_tokens_to_ids(t)]
     assert tok.pad_token is not None and tok.chat_template
+    # a tokenizer that pads already (SmolVLM's pads with <|im_end|>) gets no <|pad|>: one token more would not fit
+    # the embedding of the checkpoint it comes with
+    PreTrainedTokenizerFast(tokenizer_object=bpe, pad_token="plain").save_pretrained(tmp_path / "pads")
+    padded = load_tokenizer(tmp_path / "pads")
+    assert "<|pad|>" not in padded.get_vocab() and len(padded) == len(tok) - 1
 
 
 def test_missing_local_tokenizer_is_a_clear_error(tmp_path):
