@@ -111,6 +111,11 @@ class DataConfig:
     chat_format: str = "chatml"  # chatml | smolvlm (SmolVLM/Idefics3 instruct checkpoints): how turns are framed
     max_image_pixels: int = 64_000_000  # larger images are skipped (decompression-bomb guard)
     max_skip_rate: float = 0.1  # fail when more than this fraction of an epoch's samples is skipped
+    cache_dir: str = (
+        ""  # remote datasets (s3://, https://): local index copies and shards; "" = $NANOVLM_CACHE or ~/.cache/nanovlm
+    )
+    cache_max_bytes: int = 20_000_000_000  # staged remote shards kept at most (per node: its processes share them)
+    prefetch_shards: int = 2  # remote shards each DataLoader worker fetches ahead of the one it reads; 0 = off
     seed: int = 1234  # data order seed (epoch order is derived from seed and epoch)
 
 
@@ -331,6 +336,7 @@ def _check_ranges(cfg: Config) -> None:
             "data.lookahead": d.lookahead,
             "data.queue_size": d.queue_size,
             "data.batch_size": d.batch_size,
+            "data.cache_max_bytes": d.cache_max_bytes,
         },
         0: {
             "trainer.val_every_n_steps": t.val_every_n_steps,
@@ -346,6 +352,7 @@ def _check_ranges(cfg: Config) -> None:
             "data.val_samples": d.val_samples,
             "data.pad_cutoff": d.pad_cutoff,
             "data.max_skip_rate": d.max_skip_rate,
+            "data.prefetch_shards": d.prefetch_shards,
             "optim.lr": o.lr,
             "optim.vision_lr": o.vision_lr,
             "optim.projector_lr": o.projector_lr,
@@ -433,6 +440,7 @@ def _expand_home(cfg: Config) -> None:
     d, t, c, m = cfg.data, cfg.trainer, cfg.checkpoint, cfg.model
     d.train, d.val = [home(p) for p in d.train], [home(p) for p in d.val]
     d.tokenizer, t.run_dir, c.dir, c.init_from = home(d.tokenizer), home(t.run_dir), home(c.dir), home(c.init_from)
+    d.cache_dir = home(d.cache_dir)
     m.vision_checkpoint, m.language_checkpoint = home(m.vision_checkpoint), home(m.language_checkpoint)
     m.vlm_checkpoint = home(m.vlm_checkpoint)
     if c.resume not in ("auto", "none"):

@@ -31,6 +31,7 @@ class DataCounters:
         self._tel: Counter = Counter()
         self._tel_skips: Counter = Counter()
         self._queue_depth = 0.0
+        self._remote: dict[int, dict[str, int]] = {}  # worker slot -> its remote.ShardCache counters
 
     def count(self, meta: dict) -> None:
         """Count one trained batch: the skips the planner made (reported with a slot's first pack), the samples
@@ -49,6 +50,8 @@ class DataCounters:
             loss_tokens=meta.get("loss_tokens", 0),
         )
         self._queue_depth = float(meta.get("queue_depth", 0))
+        if "remote" in meta:  # cumulative per worker: keep each worker's latest
+            self._remote[meta.get("worker_slot", 0)] = dict(meta["remote"])
 
     def _skip(self, reason: str, ds: int, n: int) -> None:
         self.epoch_skips[(reason, ds)] += n
@@ -108,5 +111,7 @@ class DataCounters:
             "skips_by_reason": dict(self._tel_skips),
             "last_epoch_skips": dict(self.last_epoch_skips),
         }
+        if self._remote:  # since the start of the run, summed over this rank's workers
+            out["remote"] = dict(sum((Counter(c) for c in self._remote.values()), Counter()))
         self._tel, self._tel_skips, self.wait[0] = Counter(), Counter(), 0.0
         return out

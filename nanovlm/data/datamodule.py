@@ -27,6 +27,7 @@ from nanovlm.data.accounting import DataCounters, SkipRateError
 from nanovlm.data.index import load_index
 from nanovlm.data.loader import make_loader
 from nanovlm.data.processing import SampleProcessor
+from nanovlm.data.remote import shard_cache
 from nanovlm.data.shards import EpochPlan, PackSpec, SampleTable, Topology
 from nanovlm.data.state import DataState, DataStateError, Position, check_fingerprint, fingerprint, restore
 from nanovlm.data.stream import DataMismatchError, PackStream, StreamSpec
@@ -38,13 +39,19 @@ __all__ = ["DataMismatchError", "DataStateError", "PackedMultimodalDataModule", 
 
 
 def load_table(
-    dirs: list[str], tokenizer, tokenizer_name: str, layout: ImageLayout, chat_format: str = "chatml"
+    dirs: list[str],
+    tokenizer,
+    tokenizer_name: str,
+    layout: ImageLayout,
+    chat_format: str = "chatml",
+    cache_dir: str | None = None,
 ) -> SampleTable:
-    """The sample table of dataset directories, refusing an index counted with another tokenizer or chat format."""
+    """The sample table of dataset directories (local or URLs, whose indexes are fetched into ``cache_dir``),
+    refusing an index counted with another tokenizer or chat format."""
     fingerprint_now = tokenizer_fingerprint(tokenizer, chat_format)
     datasets = []
     for d in dirs:
-        idx = load_index(d)
+        idx = load_index(d, cache_dir=cache_dir)
         if idx.tokenizer != fingerprint_now:
             raise DataMismatchError(
                 f"{d}: the index was made with tokenizer {idx.tokenizer}, but this run uses {fingerprint_now} "
@@ -81,6 +88,7 @@ class PackedMultimodalDataModule(L.LightningDataModule):
         self.rank, self.world_size = 0, 1
         self.table: SampleTable | None = None
         self.val_table: SampleTable | None = None
+        self.shard_cache = None  # remote.ShardCache when a dataset is a URL
         self.position = Position()
         self.counters = DataCounters()
         self._plan_cache: tuple[tuple, EpochPlan] | None = None
@@ -115,9 +123,11 @@ class PackedMultimodalDataModule(L.LightningDataModule):
             if not self.cfg.train:
                 raise ValueError("data.train lists no dataset directory")
             self.processor = SampleProcessor.from_config(self.tokenizer, self.model_cfg, self.cfg)
-            args = (self.tokenizer, self.cfg.tokenizer, self.processor.layout, self.cfg.chat_format)
+            args = (self.tokenizer, self.cfg.tokenizer, self.processor.layout, self.cfg.chat_format, self.cfg.cache_dir)
             self.table = load_table(list(self.cfg.train), *args)
             self.val_table = load_table(list(self.cfg.val), *args) if self.cfg.val else None
+            indexes = [*self.table.indexes, *(self.val_table.indexes if self.val_table is not None else [])]
+            self.shard_cache = shard_cache(indexes, self.cfg.cache_dir, self.cfg.cache_max_bytes)
             if self.val_table is not None and self.cfg.val_samples > 0:  # one global subset: any topology sees it
                 self.val_table = self.val_table.head(self.cfg.val_samples)
             pad = self.tokenizer.pad_token_id
@@ -145,6 +155,8 @@ class PackedMultimodalDataModule(L.LightningDataModule):
             image_size=self.image_size,
             queue_size=self.cfg.queue_size,
             read_ahead=self.cfg.lookahead,
+            cache=self.shard_cache,
+            prefetch_shards=self.cfg.prefetch_shards,
         )
 
     def current_plan(self) -> EpochPlan:

@@ -23,6 +23,7 @@ import json
 import os
 import shutil
 import tarfile
+import zlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -84,6 +85,16 @@ class ShardEntry:
     name: str
     size_bytes: int
     num_samples: int
+    crc32: str = ""  # of the whole shard file: a staged copy of a remote shard is trusted only if it matches
+
+
+def crc32_file(path: str | os.PathLike) -> str:
+    """CRC-32 of a file as 8 hex digits (zlib's: GB/s, enough to catch a damaged or half-fetched copy)."""
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            crc = zlib.crc32(chunk, crc)
+    return f"{crc:08x}"
 
 
 @dataclass
@@ -99,13 +110,14 @@ class DatasetIndex:
     content_hash: str = ""  # of the columns and shard list: names the data in checkpoints (set by save/load)
     version: int = INDEX_VERSION
     mapped: bool = False  # the columns are mapped from root/index/ (load_index)
+    source: str = ""  # the dataset's URL when it is remote (root is then the index's local copy)
 
     def __reduce_ex__(self, protocol):
         """A loaded index travels (to spawned DataLoader workers) as its path and hash, and is mapped again
         there: pickling the mapped columns would copy them all into every worker."""
         if not self.mapped:
             return super().__reduce_ex__(protocol)
-        return _remap, (self.root, self.content_hash)
+        return _remap, (self.root, self.content_hash, self.source)
 
     @property
     def num_samples(self) -> int:
@@ -119,6 +131,13 @@ class DatasetIndex:
     def shard_path(self, shard: int | ShardEntry) -> Path:
         s = self.shards[shard] if isinstance(shard, int) else shard
         return self.root / s.name
+
+    def shard_location(self, shard: int | ShardEntry) -> str:
+        """Where a shard is read from: its URL for a remote dataset, else its absolute local path."""
+        s = self.shards[shard] if isinstance(shard, int) else shard
+        if self.source:
+            return self.source.rstrip("/") + "/" + s.name
+        return str((self.root / s.name).resolve())
 
     def key(self, i: int) -> str:
         """Sample ``i``'s key, decoded from the key bytes."""
@@ -134,7 +153,7 @@ class DatasetIndex:
         """(shard path, byte offset, byte size, key) of every sample, in index order (one read at a time)."""
         offsets, nbytes = self.columns["offset"], self.columns["nbytes"]
         for s, (lo, hi) in enumerate(zip(self.shard_start[:-1].tolist(), self.shard_start[1:].tolist())):
-            path = str(self.shard_path(s))
+            path = self.shard_location(s)
             for i in range(lo, hi):
                 yield path, int(offsets[i]), int(nbytes[i]), self.key(i)
 
@@ -298,10 +317,11 @@ def shard_block(s: ShardIndex) -> dict[str, np.ndarray]:
     return block
 
 
-def _remap(root: Path, content_hash: str) -> DatasetIndex:
+def _remap(root: Path, content_hash: str, source: str = "") -> DatasetIndex:
     idx = load_index(root, check_files=False)
     if idx.content_hash != content_hash:
         raise DatasetIndexError(f"{root / INDEX_DIR} changed while the run was using it: restart the run")
+    idx.source = source
     return idx
 
 
@@ -333,14 +353,26 @@ def _content_hash(shards: Sequence[ShardEntry], col_meta: dict) -> str:
     return hashlib.sha1(repr((named, {k: v["sha1"] for k, v in sorted(col_meta.items())})).encode()).hexdigest()
 
 
-def load_index(directory: str | os.PathLike, check_files: bool = True, verify: bool = False) -> DatasetIndex:
+def load_index(
+    directory: str | os.PathLike, check_files: bool = True, verify: bool = False, cache_dir: str | None = None
+) -> DatasetIndex:
     """Open ``directory/index/``: read ``meta.json``, map every column and check its type and length.
+
+    A URL (``remote.is_remote``) is fetched first into ``cache_dir`` (``remote.fetch_index``: checked column by
+    column against its meta.json) and mapped from there; its shards are then read through the shard cache, which
+    checks each one's size and CRC when it stages it (``check_files`` does not apply).
 
     ``check_files``: every shard must exist with its recorded size. ``verify``: also re-hash every column
     against ``meta.json`` (reads all of it; ``scripts/analyze_data.py --verify``). Raises FileNotFoundError
     when there is no index (with the command that makes one) and DatasetIndexError naming the file that is
     malformed, truncated or disagrees with the rest.
     """
+    from nanovlm.data import remote  # imports this module: here, not at the top
+
+    if remote.is_remote(directory):
+        idx = load_index(remote.fetch_index(str(directory), cache_dir), check_files=False, verify=verify)
+        idx.source = str(directory)
+        return idx
     root = Path(directory)
     meta_path = root / INDEX_DIR / META_FILE
     for _ in range(3):  # a save that swapped the directory while we mapped it: read the new one
@@ -362,7 +394,10 @@ def _stamp(path: Path) -> tuple[int, int] | None:
 def _load(root: Path, meta_path: Path, check_files: bool, verify: bool) -> DatasetIndex:
     meta = _read_meta(root, meta_path)
     try:
-        shards = [ShardEntry(str(s["name"]), int(s["size_bytes"]), int(s["num_samples"])) for s in meta["shards"]]
+        shards = [
+            ShardEntry(str(s["name"]), int(s["size_bytes"]), int(s["num_samples"]), str(s.get("crc32", "")))
+            for s in meta["shards"]
+        ]
         col_meta = meta["columns"]
         header = (str(meta["tokenizer"]), int(meta["image_token_count"]), str(meta["created_by"]))
     except (KeyError, TypeError, ValueError) as e:

@@ -25,7 +25,7 @@ from pathlib import Path
 import webdataset as wds
 
 from nanovlm.data.format import Record, SampleError, check_key, members_to_record, record_to_json, validate_messages
-from nanovlm.data.index import DatasetIndex, ShardEntry, ShardIndex, remove_index, scan_tar, shard_block
+from nanovlm.data.index import DatasetIndex, ShardEntry, ShardIndex, crc32_file, remove_index, scan_tar, shard_block
 from nanovlm.data.processing import SampleProcessor, load_image, open_upright, to_rgb
 from nanovlm.data.tokenizer import tokenizer_fingerprint
 
@@ -155,7 +155,8 @@ class ShardWriter:
             prompt_tokens=[s.prompt_tokens for s in self._pending],
             prompt_images=[s.prompt_images for s in self._pending],
         )
-        self.shards.append(ShardEntry(rows.name, rows.size_bytes, rows.num_samples))
+        crc = crc32_file(self.out_dir / name)
+        self.shards.append(ShardEntry(rows.name, rows.size_bytes, rows.num_samples, crc))
         self.blocks.append(shard_block(rows))
         self._writer, self._tmp, self._pending = None, None, []
 

@@ -162,18 +162,21 @@ def parse_members(blob: bytes, key: str) -> dict[str, bytes]:
 
 
 class ShardReader:
-    """Reads samples by (shard path, offset, nbytes), keeping shard files open."""
+    """Reads samples by (shard path, offset, nbytes), keeping shard files open. A remote shard (a URL) is read
+    from its staged copy in ``cache`` (``remote.ShardCache``)."""
 
-    def __init__(self, max_open: int = 64) -> None:
+    def __init__(self, max_open: int = 64, cache=None) -> None:
         self._files: dict[str, BinaryIO] = {}
         self._max_open = max_open
+        self.cache = cache
 
     def _file(self, path: str) -> BinaryIO:
         f = self._files.get(path)
         if f is None:
             if len(self._files) >= self._max_open:  # close the oldest handle
                 self._files.pop(next(iter(self._files))).close()
-            f = self._files[path] = open(path, "rb")  # noqa: SIM115 - kept open on purpose
+            local = path if self.cache is None or "://" not in path else self.cache.local(path)
+            f = self._files[path] = open(local, "rb")  # noqa: SIM115 - kept open on purpose (also once evicted)
         return f
 
     def read_members(self, path: str, offset: int, nbytes: int, key: str) -> dict[str, bytes]:
@@ -194,7 +197,7 @@ class ShardReader:
         self._files.clear()
 
     def __getstate__(self) -> dict:  # open files do not travel to DataLoader workers
-        return {"_files": {}, "_max_open": self._max_open}
+        return {"_files": {}, "_max_open": self._max_open, "cache": self.cache}
 
     def __del__(self) -> None:
         self.close()

@@ -10,6 +10,7 @@ the keys themselves) and returns what ``DatasetIndex.from_blocks`` needs.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -28,6 +29,7 @@ from nanovlm.data.index import (
     ShardEntry,
     ShardIndex,
     TarSample,
+    crc32_file,
     decode_key,
     scan_tar,
     shard_block,
@@ -48,6 +50,7 @@ class ShardResult:
     block: dict[str, np.ndarray]
     skips: list[list[str]]
     hashes: np.ndarray  # uint64 [num_samples]
+    crc32: str = ""  # of the shard file
 
 
 def key_hashes(keys: Sequence[str]) -> np.ndarray:
@@ -88,7 +91,10 @@ def index_shard(path: str, processor: SampleProcessor, max_pixels: int, decode: 
         )
         skips.append([name, name, "corrupt_shard", detail])
     rows.num_samples = len(rows.keys)
-    return ShardResult(shard_block(rows), skips, key_hashes(rows.keys))
+    crc = ""
+    with contextlib.suppress(OSError):  # an unreadable file has no sample to keep: its skip says why
+        crc = crc32_file(path)
+    return ShardResult(shard_block(rows), skips, key_hashes(rows.keys), crc)
 
 
 def _check_key(key: str) -> None:
@@ -186,7 +192,7 @@ def merge(
             block = _filter(block, keep)
         kept = len(block["offset"])
         if kept:
-            entries.append(ShardEntry(name, size, kept))
+            entries.append(ShardEntry(name, size, kept, res.crc32))
             blocks.append(block)
     return entries, blocks
 

@@ -27,15 +27,17 @@ import logging
 import os
 import random
 import re
+import shutil
 import threading
 import time
-import zlib
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
+
+from nanovlm.data.index import crc32_file
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -55,10 +57,11 @@ def is_remote(path: str | os.PathLike) -> bool:
     return bool(m) and m.group(1).lower() in REMOTE_SCHEMES
 
 
-def redact(url: str) -> str:
-    """The URL without credentials: no user:password@, no query string or fragment (presigned tokens)."""
-    url = re.sub(r"^([a-zA-Z][a-zA-Z0-9+.-]*://)[^/@]*@", r"\1", str(url))
-    return re.split(r"[?#]", url, maxsplit=1)[0]
+def redact(text: str) -> str:
+    """``text`` (a URL, or a message holding URLs) without credentials: every URL loses its user:password@ and
+    its query string and fragment (presigned tokens)."""
+    text = re.sub(r"([a-zA-Z][a-zA-Z0-9+.-]*://)[^/\s@]*@", r"\1", str(text))
+    return re.sub(r"(://[^\s?#'\"]*)[?#][^\s'\")]*", r"\1", text)
 
 
 def join(url: str, name: str) -> str:
@@ -119,8 +122,11 @@ def _gone(e: BaseException) -> bool:
     """An error that retrying cannot fix: the object (or bucket) does not exist, or access is denied."""
     if isinstance(e, (FileNotFoundError, PermissionError)):
         return True
-    text = f"{type(e).__name__} {e}"
-    return any(s in text for s in ("NoSuchKey", "NoSuchBucket", "404", "AccessDenied", "403", "Forbidden"))
+    if getattr(e, "status", None) in (401, 403, 404):  # aiohttp's ClientResponseError (http, https)
+        return True
+    response = getattr(e, "response", None)  # botocore's ClientError, where a backend does not translate it
+    code = response.get("Error", {}).get("Code") if isinstance(response, dict) else None
+    return code in ("NoSuchKey", "NoSuchBucket", "AccessDenied", "403", "404")
 
 
 def with_retries(fn: Callable[[], T], what: str, policy: RetryPolicy, counters: RemoteCounters | None = None) -> T:
@@ -150,16 +156,80 @@ def read_bytes(url: str, policy: RetryPolicy | None = None, counters: RemoteCoun
     return with_retries(lambda: fs.cat_file(path), redact(url), policy or RetryPolicy(), counters)
 
 
+def download(url: str, dest: Path, policy: RetryPolicy, counters: RemoteCounters | None = None) -> int:
+    """Stream ``url`` into ``dest`` (overwritten), with retries; returns its size."""
+    fs, path = filesystem(url)
+
+    def once() -> int:
+        n = 0
+        with fs.open(path, "rb", block_size=CHUNK) as src, open(dest, "wb") as dst:
+            while chunk := src.read(CHUNK):
+                dst.write(chunk)
+                n += len(chunk)
+        return n
+
+    return with_retries(once, redact(url), policy, counters)
+
+
+def default_cache_dir() -> Path:
+    """``$NANOVLM_CACHE``, else ~/.cache/nanovlm: where remote indexes and staged shards go by default."""
+    return Path(os.environ.get("NANOVLM_CACHE") or Path.home() / ".cache" / "nanovlm")
+
+
+@contextlib.contextmanager
+def file_lock(path: Path):
+    """An exclusive lock shared by the processes of a node (fcntl on ``path``)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a+b") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def fetch_index(url: str, cache_dir: str | os.PathLike | None = None, policy: RetryPolicy | None = None) -> Path:
+    """A local copy of a remote dataset's ``index/`` (a directory ``load_index`` maps), fetched when the copy is
+    missing or its meta.json differs from the remote one. A fetched copy replaces the old one only once every
+    column matches its hash in meta.json, so a failed or partial fetch is never used."""
+    from nanovlm.data.index import COLUMNS, INDEX_DIR, META_FILE, DatasetIndexError, load_index
+
+    policy = policy or RetryPolicy()
+    root = Path(cache_dir or default_cache_dir()) / "indexes" / cache_name(url)
+    meta_url = join(url, f"{INDEX_DIR}/{META_FILE}")
+    try:
+        meta = read_bytes(meta_url, policy)
+    except RemoteError as e:
+        raise FileNotFoundError(
+            f"no index at {redact(url)} ({e}): prepare the dataset with scripts/prepare_data.py and upload the "
+            "directory (its shards and index/)"
+        ) from None
+    local_meta = root / INDEX_DIR / META_FILE
+    with file_lock(root.parent / f"{root.name}.lock"):
+        if local_meta.is_file() and local_meta.read_bytes() == meta:
+            return root
+        tmp, old = (root.parent / f".{root.name}.{os.getpid()}.{what}" for what in ("tmp", "old"))
+        for stale in (tmp, old):
+            shutil.rmtree(stale, ignore_errors=True)
+        (tmp / INDEX_DIR).mkdir(parents=True)
+        try:
+            for name in COLUMNS:  # our column names, never names read from the remote file
+                download(join(url, f"{INDEX_DIR}/{name}.npy"), tmp / INDEX_DIR / f"{name}.npy", policy)
+            (tmp / INDEX_DIR / META_FILE).write_bytes(meta)
+            load_index(tmp, check_files=False, verify=True)
+        except (DatasetIndexError, RemoteError) as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise DatasetIndexError(f"the index of {redact(url)} cannot be used: {redact(str(e))}") from None
+        if root.exists():
+            os.replace(root, old)
+        os.replace(tmp, root)
+        shutil.rmtree(old, ignore_errors=True)
+    log.info("fetched the index of %s into %s", redact(url), root)
+    return root
+
+
 # ----------------------------------------------------------------------------------------------------------
 # the shard cache
-
-
-def crc32_file(path: Path) -> str:
-    crc = 0
-    with open(path, "rb") as f:
-        while chunk := f.read(CHUNK):
-            crc = zlib.crc32(chunk, crc)
-    return f"{crc:08x}"
 
 
 def cache_name(url: str) -> str:
@@ -223,22 +293,13 @@ class ShardCache:
             self._touch(path)
             self.counters.add(hits=1)
             return path
-        with self._locked(path):  # one process of the node fetches; the others wait, then find it staged
+        with file_lock(path.with_name(path.name + ".lock")):  # one process fetches; the others then find it
             if not self._valid(path, info, quick=False):
                 self._fetch(url, path, info)
         self._touch(path)
         return path
 
     # -- internals ------------------------------------------------------------------------------------------
-
-    @contextlib.contextmanager
-    def _locked(self, path: Path):
-        with open(path.with_name(path.name + ".lock"), "a+b") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            try:
-                yield
-            finally:
-                fcntl.flock(lock, fcntl.LOCK_UN)
 
     def _valid(self, path: Path, info: ShardInfo, quick: bool) -> bool:
         """Staged and whole: the size always; the CRC once per process (``quick`` trusts a copy already checked)."""
@@ -261,18 +322,18 @@ class ShardCache:
         tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.part")
         fs, remote = filesystem(url)
 
-        def download() -> None:
+        def fetch_checked() -> None:
             with fs.open(remote, "rb", block_size=CHUNK) as src, open(tmp, "wb") as dst:
                 while chunk := src.read(CHUNK):
                     dst.write(chunk)
             got = tmp.stat().st_size
-            if got != info.size:
+            if got != info.size:  # a cut connection, or the object was replaced: fetch again
                 raise ConnectionError(f"got {got} bytes, the index says {info.size}")
             if info.crc32 and crc32_file(tmp) != info.crc32:
                 raise ConnectionError("the fetched bytes fail the index's CRC-32")
 
         try:
-            with_retries(download, redact(url), self.policy, self.counters)
+            with_retries(fetch_checked, redact(url), self.policy, self.counters)
             os.replace(tmp, path)  # atomic: a reader sees the whole shard or none
         except OSError as e:
             tmp.unlink(missing_ok=True)
@@ -313,6 +374,16 @@ class ShardCache:
             with self._mutex:
                 self._used.pop(name, None)
             total -= size
+
+
+def shard_cache(indexes: Iterable, cache_dir: str | os.PathLike | None, max_bytes: int) -> ShardCache | None:
+    """The cache of the remote shards of ``indexes`` (DatasetIndex), or None when all of them are local."""
+    shards = {
+        idx.shard_location(s): ShardInfo(s.size_bytes, s.crc32) for idx in indexes if idx.source for s in idx.shards
+    }
+    if not shards:
+        return None
+    return ShardCache(Path(cache_dir or default_cache_dir()) / "shards", max_bytes, shards)
 
 
 class Prefetcher:

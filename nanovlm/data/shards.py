@@ -53,7 +53,7 @@ class SampleTable:
     n_images: np.ndarray  # int32 [N] encoder inputs (what data.max_images counts): images, or tiles with splitting
     prompt: np.ndarray  # int32 [N] tokens before the first loss token (image-expanded)
     shard_start: np.ndarray  # int64 [n_shards + 1]: shard i holds gids shard_start[i]:shard_start[i + 1]
-    shard_paths: list[str]  # [n_shards] absolute shard paths
+    shard_paths: list[str]  # [n_shards] absolute shard paths, or URLs of remote shards
     shard_dataset: np.ndarray  # int32 [n_shards] directory index of each shard
     dataset_start: np.ndarray  # int64 [n_dirs + 1]: directory d holds gids dataset_start[d]:dataset_start[d + 1]
     dataset_names: list[str]  # [n_dirs] the directories as given
@@ -121,7 +121,7 @@ class SampleTable:
             n_images=cat([i.vision_inputs(layout) for i in idxs], np.int32),
             prompt=cat([i.prompt_lengths(layout, np.int32) for i in idxs], np.int32),
             shard_start=np.concatenate([[0], np.cumsum(shard_counts, dtype=np.int64)]).astype(np.int64),
-            shard_paths=[str(idx.shard_path(s).resolve()) for idx in idxs for s in idx.shards],
+            shard_paths=[idx.shard_location(s) for idx in idxs for s in idx.shards],
             shard_dataset=np.asarray([d for d, idx in enumerate(idxs) for _ in idx.shards], np.int32),
             dataset_start=np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)]).astype(np.int64),
             dataset_names=[name for name, _ in datasets],

@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 from torch.utils.data import IterableDataset, get_worker_info
 
 from nanovlm.data.collate import collate_packed, collate_padded
@@ -24,6 +25,7 @@ from nanovlm.data.format import SampleError
 from nanovlm.data.processing import SampleProcessor
 from nanovlm.data.producer import PackProducer, PlannedPack, Skip
 from nanovlm.data.reader import ShardReader
+from nanovlm.data.remote import Prefetcher, ShardCache
 from nanovlm.data.shards import EpochPlan, PackSpec, SampleTable, Topology, build_epoch_plan
 from nanovlm.data.state import Position
 
@@ -50,6 +52,8 @@ class StreamSpec:
     image_size: int
     queue_size: int
     read_ahead: int
+    cache: ShardCache | None = None  # remote shards: staged here (remote.py)
+    prefetch_shards: int = 2  # remote shards fetched ahead of the one being read; 0 = off
 
     def plan(self, pos: Position) -> EpochPlan:
         return build_epoch_plan(
@@ -73,7 +77,15 @@ class PackStream(IterableDataset):
     def __init__(self, s: StreamSpec, start: Position, first_plan: EpochPlan | None = None) -> None:
         self.s, self.start, self._first_plan = s, start, first_plan
 
-    def _packs(self, local: int, first_pack: int) -> Iterator[PlannedPack]:
+    def _shards_ahead(self, plan: EpochPlan, slot: int, k: int, packs: int = 32) -> list[str]:
+        """The distinct shards of this slot's next ``packs`` packs, in the order the plan reads them."""
+        lo = plan.pack_start[slot * plan.packs_per_slot + k]
+        hi = plan.pack_start[slot * plan.packs_per_slot + min(plan.packs_per_slot, k + packs)]
+        shards = self.s.table.shard_of(plan.order[plan.pack_items[lo:hi]])
+        _, first = np.unique(shards, return_index=True)
+        return [self.s.table.shard_paths[i] for i in shards[np.sort(first)].tolist()]
+
+    def _packs(self, local: int, first_pack: int, prefetch: Prefetcher | None = None) -> Iterator[PlannedPack]:
         s, spr = self.s, self.s.topology.slots_per_rank
         slot = s.rank * spr + local
         pos = dataclasses.replace(self.start)
@@ -81,6 +93,8 @@ class PackStream(IterableDataset):
         k = first_pack
         while True:
             while k < plan.packs_per_slot:
+                if prefetch is not None:
+                    prefetch.upcoming(self._shards_ahead(plan, slot, k))
                 positions = plan.pack(slot, k)
                 gids = plan.order[positions]
                 extra: dict[str, Any] = {"epoch": pos.epoch, "index": k * spr + local, "worker_slot": slot}
@@ -118,7 +132,8 @@ class PackStream(IterableDataset):
             raise RuntimeError(f"stream planned for {spr} workers runs on {info.num_workers}")
         c = self.start.consumed
         local = (worker + c) % spr  # rotation: the DataLoader reads worker 0 first
-        reader = ShardReader()
+        reader = ShardReader(cache=s.cache)
+        prefetch = Prefetcher(s.cache, ahead=s.prefetch_shards) if s.cache is not None and s.prefetch_shards else None
         t, limit = s.table, s.spec.limit
         # with "drop" the plan already left out over-length samples: process without a limit, so a sample whose
         # real length disagrees with the index fails the length check below instead of passing as a skip
@@ -143,6 +158,8 @@ class PackStream(IterableDataset):
                 log.warning("skipped sample %s (%s): %s", sk.key, sk.reason, sk.detail)
             meta = dict(pack.extra)
             meta["skips"] = [(t.key(sk.ref), sk.reason, int(t.dataset_of(sk.ref))) for sk in skips]
+            if s.cache is not None:  # this worker's remote reading so far (retries, fetches, bytes)
+                meta["remote"] = s.cache.counters.snapshot()
             if s.spec.mode == "packed":
                 return collate_packed(samples, s.spec.max_tokens, s.pad_id, s.image_size, meta)
             return collate_padded(samples, s.pad_id, s.image_size, meta)
@@ -152,7 +169,7 @@ class PackStream(IterableDataset):
             return f"{key} ({path})"
 
         def packs() -> Iterator[PlannedPack]:
-            for p in self._packs(local, (worker + c) // spr):
+            for p in self._packs(local, (worker + c) // spr, prefetch):
                 planned.update(zip(p.refs, p.planned_lengths))
                 yield p
 
@@ -173,3 +190,5 @@ class PackStream(IterableDataset):
         finally:
             producer.close()
             reader.close()
+            if prefetch is not None:
+                prefetch.close()

@@ -236,11 +236,12 @@ class Telemetry(pl.Callback):
         dm = trainer.datamodule
         dt = dm.telemetry() if dm is not None and hasattr(dm, "telemetry") else {}
         skipped = float(sum((dt.get("skips_by_reason") or {}).values()))  # this rank's; summed with the rest
-        values = [self.acc[k] for k in self.KEYS] + [skipped]
+        remote = dt.get("remote") or {}  # remote datasets: this rank's workers' retries and fetches since the start
+        values = [self.acc[k] for k in self.KEYS] + [skipped, remote.get("retries", 0), remote.get("fetched_bytes", 0)]
         totals = torch.tensor(values, dtype=torch.float64, device=pl_module.device)
         all_reduce_sum(totals)
         _, world = rank_world()
-        *summed, skipped = totals.tolist()
+        *summed, skipped, retries, fetched = totals.tolist()
         t = dict(zip(self.KEYS, summed))
         optimizer = trainer.optimizers[0]
         lang_group = next((g for g in optimizer.param_groups if g["name"].startswith("language")), None)
@@ -270,6 +271,9 @@ class Telemetry(pl.Callback):
             if "epoch" in dt:
                 metrics["train/data_epoch"] = float(dt["epoch"])
             metrics["train/skipped_samples"] = skipped
+            if remote:
+                metrics["train/remote_retries"] = retries
+                metrics["train/remote_fetched_gb"] = fetched / 1e9
         if trainer.is_global_zero:
             self.history.append({"step": step, **metrics})
             for logger in trainer.loggers:

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from nanovlm.config import Config
+from nanovlm.config import Config, DataConfig
 from nanovlm.constants import IMAGE_TOKEN
 
 log = logging.getLogger(__name__)
@@ -35,17 +35,26 @@ def normalize_answer(text: str) -> str:
     return re.sub(r"^[\W_]+|[\W_]+$", "", text.strip().lower())
 
 
-def iter_answered_records(directories: list[str], limit: int, skips: Counter | None = None):
+def iter_answered_records(
+    directories: list[str],
+    limit: int,
+    skips: Counter | None = None,
+    cache_dir: str | None = None,
+    cache_max_bytes: int = DataConfig.cache_max_bytes,
+):
     """Up to ``limit`` records with an ``answer``, taken from ``directories`` in turn (one from each, round robin,
-    in index order within each), so every validation set is evaluated, not only the first.
+    in index order within each), so every validation set is evaluated, not only the first. Remote directories are
+    read through a shard cache in ``cache_dir``, as training reads them.
 
     A record that cannot be read is logged and counted in ``skips`` (by reason), as the validation loader does.
     """
     from nanovlm.data.index import load_index
     from nanovlm.data.reader import ShardReader
+    from nanovlm.data.remote import shard_cache
 
-    reader = ShardReader()
-    streams = [_answered(load_index(d), reader, skips) for d in directories]
+    indexes = [load_index(d, cache_dir=cache_dir) for d in directories]
+    reader = ShardReader(cache=shard_cache(indexes, cache_dir, cache_max_bytes))
+    streams = [_answered(idx, reader, skips) for idx in indexes]
     found = 0
     try:
         while streams and found < limit:
@@ -135,7 +144,8 @@ def evaluate_answers(
     rows = []
     skipped: Counter = Counter()
     try:
-        for record in iter_answered_records(directories, limit, skipped):
+        records = iter_answered_records(directories, limit, skipped, cfg.data.cache_dir, cfg.data.cache_max_bytes)
+        for record in records:
             try:
                 ids, pixels = processor.prompt(record.messages[:-1], record.images, record.key)
                 prompt = torch.tensor([ids], device=device)
