@@ -385,6 +385,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise SystemExit("error: --image-check header is for --input DIR (indexing shards in place); JSONL input is "
                          "rewritten into shards, so every image is decoded")  # fmt: skip
     from nanovlm.config import ConfigError, image_token_count, load_config
+    from nanovlm.data.remote import cache_name, default_cache_dir, is_remote, publish, redact
     from nanovlm.data.tokenizer import load_tokenizer, tokenizer_fingerprint
 
     try:
@@ -401,7 +402,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (OSError, ValueError) as e:
         raise SystemExit(f"error: cannot load tokenizer {tok_path!r}: {e}") from None
 
-    out_dir = Path(args.output)
+    remote_out = args.output if is_remote(args.output) else None
+    if remote_out and dirs:
+        raise SystemExit(
+            "error: --output URL writes new shards from JSONL; to index existing shards, index them where they are "
+            "(--input DIR --output DIR) and upload the directory"
+        )
+    # a URL: written here first, then uploaded (shards, then the index)
+    staging = Path(cfg.data.cache_dir or default_cache_dir()) / "upload"
+    out_dir = staging / cache_name(remote_out) if remote_out else Path(args.output)
     report = Report()
     t0 = time.perf_counter()
     try:
@@ -417,6 +426,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"\ninterrupted: run the same command again to prepare {out_dir}", file=sys.stderr)
         return 130
     rejected = report.write_rejected(out_dir)
+    if remote_out and index is not None and index.num_samples:
+        try:
+            sent = publish(out_dir, remote_out)
+        except (OSError, ValueError) as e:
+            print(f"error: uploading to {redact(remote_out)} failed: {redact(str(e))}; run again", file=sys.stderr)
+            return 1
+        print(f"uploaded {sent / 1e6:.1f} MB to {redact(remote_out)} (shards first, the index last)")
+        for staged in [*out_dir.glob("*.tar"), out_dir / "index"]:  # the local copy is not needed again
+            shutil.rmtree(staged) if staged.is_dir() else staged.unlink()
     elapsed = time.perf_counter() - t0
 
     return _summarize(report, index, out_dir, rejected, elapsed, fingerprint, itc, args, cfg)

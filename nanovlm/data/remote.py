@@ -228,6 +228,29 @@ def fetch_index(url: str, cache_dir: str | os.PathLike | None = None, policy: Re
     return root
 
 
+def publish(local: Path, url: str, policy: RetryPolicy | None = None) -> int:
+    """Upload a prepared dataset directory to ``url``: its shards first, then the index columns, ``meta.json``
+    last, so a reader never finds an index whose shards are not there yet; then the remote shards the new index
+    does not list are removed. A reader still holding the previous index meets a replaced shard that fails its
+    size or CRC check: a named error, never a wrong sample. Returns the bytes uploaded."""
+    from nanovlm.data.index import COLUMNS, INDEX_DIR, META_FILE, load_index
+
+    policy = policy or RetryPolicy()
+    index = load_index(local)
+    fs, base = filesystem(url)
+    files = [s.name for s in index.shards] + [f"{INDEX_DIR}/{c}.npy" for c in COLUMNS] + [f"{INDEX_DIR}/{META_FILE}"]
+    sent = 0
+    for name in files:
+        target = f"{base.rstrip('/')}/{name}"
+        with_retries(lambda n=name, t=target: fs.put_file(str(local / n), t), redact(join(url, name)), policy)
+        sent += (local / name).stat().st_size
+    listed = {f"{base.rstrip('/')}/{s.name}" for s in index.shards}
+    for stale in fs.glob(f"{base.rstrip('/')}/shard-*.tar"):
+        if stale.split("://", 1)[-1] not in listed:
+            with_retries(lambda p=stale: fs.rm(p), redact(stale), policy)
+    return sent
+
+
 # ----------------------------------------------------------------------------------------------------------
 # the shard cache
 

@@ -139,6 +139,42 @@ def test_http_faults_lose_and_repeat_nothing(data, tiny_tokenizer, tmp_path, cap
     assert ":pw@" not in caplog.text
 
 
+def test_prepare_data_writes_to_s3(tmp_path, tiny_tokenizer, monkeypatch, capsys):
+    """prepare_data --output s3://...: the uploaded dataset trains exactly as the same JSONL prepared locally; a
+    re-run with less data replaces it and removes the shards its index no longer lists."""
+    import json
+
+    from helpers.synthetic import synthetic_image
+
+    from nanovlm.cli.prepare_data import main
+
+    rng = __import__("numpy").random.default_rng(0)
+    (tmp_path / "img.png").write_bytes(synthetic_image(rng, 20, 16, "PNG"))
+    rows = [
+        {"image": "img.png", "conversations": [{"from": "human", "value": f"<image>q{i}"}, {"from": "gpt", "value": f"a{i}"}]}
+        for i in range(30)
+    ]  # fmt: skip
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "small.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[:5]))
+    monkeypatch.setenv("NANOVLM_CACHE", str(tmp_path / "cache"))
+    common = ["--tokenizer", tiny_tokenizer.name_or_path, "--samples-per-shard", "8"]
+    assert main(["--input", str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "local"), *common]) == 0
+    with s3_server(monkeypatch) as (fs, bucket):
+        url = f"s3://{bucket}/sets/qa"
+        assert main(["--input", str(tmp_path / "in.jsonl"), "--output", url, *common]) == 0
+        assert "uploaded" in capsys.readouterr().out
+        assert sorted(p.rsplit("/", 1)[1] for p in fs.glob(f"{bucket}/sets/qa/shard-*.tar")) == [
+            f"shard-00000{i}.tar" for i in range(4)
+        ]
+        cfg = make_cfg([url], cache_dir=str(tmp_path / "cache"))
+        same_batches(
+            take(make_dm(cfg, tiny_tokenizer), 3), take(make_dm(make_cfg([tmp_path / "local"]), tiny_tokenizer), 3)
+        )
+        assert main(["--input", str(tmp_path / "small.jsonl"), "--output", url, *common]) == 0
+        assert len(fs.glob(f"{bucket}/sets/qa/shard-*.tar")) == 1
+        assert load_index(url, cache_dir=str(tmp_path / "cache")).num_samples == 5
+
+
 def test_held_out_evaluation_reads_remote_directories(data, tmp_path):
     from nanovlm.train.evaluate import iter_answered_records
 
