@@ -5,6 +5,7 @@
     python scripts/benchmark.py --sections packing --index data/my_set/train     # packing on your own data
     python scripts/benchmark.py --sections train --device cuda --preset model_222m.yaml
     python scripts/benchmark.py --sections scale --workdir /big/disk   # 1M / 10M / 100M-sample indexes (~6 GB)
+    python scripts/benchmark.py --sections remote   # S3 on loopback behind 0 / 20 / 100 ms of latency vs local disk
 
 Every figure goes to ``--json``; a markdown report is printed (and written to ``--markdown``).
 Warm-up is excluded, inputs and seeds are fixed, each timing is repeated ``--reps`` times (median and
@@ -23,8 +24,9 @@ from typing import Any
 from benchmarks.common import machine_description
 from benchmarks.scale import parse_size
 
-SECTIONS = ("packing", "pipeline", "train", "resume", "scale", "tiles")
-DEFAULT_SECTIONS = SECTIONS[:4]  # scale writes GBs of synthetic index, tiles is a packing variant: asked for by name
+SECTIONS = ("packing", "pipeline", "train", "resume", "scale", "tiles", "remote")
+# scale writes GBs of synthetic index, tiles is a packing variant, remote starts an S3 server: asked for by name
+DEFAULT_SECTIONS = SECTIONS[:4]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -203,6 +205,11 @@ def run_section(name: str, args: argparse.Namespace) -> tuple[dict[str, Any], st
 
         result = tiles.measure(args, log=_log)
         return result.to_json(), report.render_tiles(result)
+    if name == "remote":
+        from benchmarks import remote
+
+        result = remote.measure(args, log=_log)
+        return result, report.render_remote(result)
     if name == "scale":
         from benchmarks import scale
 

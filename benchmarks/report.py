@@ -460,3 +460,41 @@ def write_json(doc: dict[str, Any], path: str | os.PathLike) -> Path:
     tmp.write_text(json.dumps(doc, indent=1, sort_keys=False, default=str))
     os.replace(tmp, out)
     return out
+
+
+def render_remote(result: dict) -> str:
+    plan = result["plan"]
+    md = ["## Remote data: S3 on loopback with added latency", ""]
+    md.append(
+        f"{result['samples']} samples in {result['shards']} shards ({result['dataset_bytes'] / 1e6:.1f} MB) from "
+        f"{result['data']}, read by the DataModule with {plan['workers']} workers: from local disk, and from moto's "
+        f"S3 server behind a proxy adding the latency to every request with {plan['bandwidth_mb_s']:.0f} MB/s "
+        "shared. Cold: cache emptied before the epoch; warm: the epoch after. One epoch per pass, "
+        f"{plan['reps']} passes, first batch excluded; *of local*: each pass against a local pass run just before "
+        "it (median [min-max]); *server CPU s*: CPU time of the benchmark's own process in the epoch, where the S3 "
+        "server and the proxy run beside the loader's main side (on the same cores as the workers); *bytes/epoch* "
+        "counts what the proxy sent (index included)."
+    )
+    md.append("")
+    rows = []
+    for r in result["rows"]:
+        sps = r["samples_per_s"]
+        sent = r["bytes_per_epoch"]
+        rows.append(
+            [
+                r["name"],
+                "" if r["prefetch"] is None else ("on" if r["prefetch"] else "off"),
+                Stats(**sps).fmt(0),
+                f"{Stats(**r['of_local']).fmt(1, 100)}%",
+                f"{r['first_batch_s']['median']:.2f}",
+                f"{r['main_cpu_s']['median']:.1f}",
+                "" if sent is None else f"{sent / result['dataset_bytes']:.3f}",
+            ]
+        )
+    md.append(
+        markdown_table(
+            ["source", "prefetch", "samples/s", "of local", "first batch s", "server CPU s", "bytes/epoch / dataset"],
+            rows,
+        )
+    )
+    return "\n".join(md)

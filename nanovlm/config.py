@@ -367,6 +367,16 @@ def _check_ranges(cfg: Config) -> None:
                 raise ConfigError(f"bad value for config key '{key}': {value}; it must be >= {low}")
     if any(w < 0 for w in d.train_weights):
         raise ConfigError(f"bad value for config key 'data.train_weights': {d.train_weights}; weights must be >= 0")
+    from nanovlm.data.remote import redact
+
+    for key, dirs in (("data.train", d.train), ("data.val", d.val)):
+        for u in dirs:
+            if redact(u) != u:  # a user:password@ or a query string (a presigned token): never kept or logged
+                raise ConfigError(
+                    f"bad value for config key '{key}': {redact(u)} with credentials or a query string (not shown); "
+                    "give the plain URL: credentials come from the store's environment (AWS_ACCESS_KEY_ID, "
+                    "AWS_PROFILE, HF_TOKEN, ...), never from the config"
+                )
     if len(o.betas) != 2 or not all(0 <= b < 1 for b in o.betas):
         raise ConfigError(f"bad value for config key 'optim.betas': {o.betas}; two numbers in [0, 1), e.g. [0.9, 0.95]")
     if not o.eps > 0 or not 0 <= o.min_lr_ratio <= 1:

@@ -417,12 +417,17 @@ class Prefetcher:
         self.cache, self.ahead = cache, ahead
         self._pool = ThreadPoolExecutor(max_workers=max(1, concurrency), thread_name_prefix="shard-prefetch")
         self._pending: dict[str, Future] = {}
+        self._last: list[str] = []
 
     def upcoming(self, urls: Iterable[str]) -> None:
-        """``urls``: the shards of the coming reads, in plan order (duplicates and local paths ignored)."""
+        """``urls``: the shards of the coming reads, in plan order (duplicates and local paths ignored). Called
+        for every pack: work is done only when the list changes."""
         order = list(dict.fromkeys(u for u in urls if is_remote(u)))[: self.ahead + 1]
+        if order == self._last:
+            return
+        self._last = order
         self.cache.want(order)
-        for done in [u for u, f in self._pending.items() if f.done()]:
+        for done in [u for u, f in self._pending.items() if f.done() and u not in order]:
             self._pending.pop(done)
         for url in order:
             if url not in self._pending:

@@ -69,6 +69,14 @@ def test_bare_config_name_is_looked_up_in_configs_dir():
     assert image_token_count(cfg.model) == 64
 
 
+def test_credentials_in_a_dataset_url_are_refused_without_being_shown():
+    for url in ("s3://key:secret-pw@bucket/ds", "https://host/ds?X-Amz-Signature=secret-sig"):
+        with pytest.raises(ConfigError) as e:
+            load_config([], [f"data.train=[{url}]"])
+        assert "data.train" in str(e.value) and "secret" not in str(e.value)
+    assert load_config([], ["data.val=[s3://bucket/ds/val]"]).data.val == ["s3://bucket/ds/val"]
+
+
 def test_smolvlm_preset_is_smolvlms_layout_on_top_of_base():
     cfg = load_config(["base.yaml", "model_smolvlm_256m.yaml"])
     assert image_token_count(cfg.model) == 64 and cfg.data.chat_format == "smolvlm"

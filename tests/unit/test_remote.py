@@ -136,6 +136,7 @@ def test_http_faults_lose_and_repeat_nothing(data, tiny_tokenizer, tmp_path, cap
             same_batches(take(dm, n), want)
     assert sum(faults.done[k] for k in ("503", "reset", "truncate")) >= 3
     assert dm.shard_cache.counters.retries >= 1 and "retry" in caplog.text
+    assert dm.telemetry()["remote"]["fetched"] == len(load_index(data / "a").shards)  # what the training log shows
     assert ":pw@" not in caplog.text
 
 

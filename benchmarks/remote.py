@@ -1,0 +1,255 @@
+"""The ``remote`` section: the DataModule reading a dataset from an S3 API server (moto's, on loopback) behind a
+proxy that adds a fixed latency to every request and caps the bandwidth, against the same shards on local disk.
+
+Per row: samples/s over one epoch with ``workers`` DataLoader workers, with a cold cache (emptied before the
+pass) and a warm one (the pass after), prefetch on and off, and the bytes the proxy sent per epoch against the
+dataset's size. Each remote pass is compared with a local pass run just before it (the machine's speed drifts
+by 10-20% over minutes), and the ratios' median is reported. Each pass starts fresh DataLoader workers; the epoch's first batch is excluded from the timing in
+every row alike (worker start).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import http.client
+import shutil
+import threading
+import time
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+from benchmarks.common import Stats
+from benchmarks.workloads import data_config, demo_dirs
+
+HOP_HEADERS = {"connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade", "proxy-connection"}
+
+
+@dataclass
+class RemotePlan:
+    latencies_ms: tuple[int, ...] = (0, 20, 100)
+    bandwidth_mb_s: float = 200.0  # shared by all requests in flight
+    workers: int = 2
+    reps: int = 3
+
+    @classmethod
+    def quick(cls) -> RemotePlan:
+        return cls(latencies_ms=(20,), reps=1)
+
+
+class RateLimit:
+    """A shared token bucket: the bytes of all responses together stay under ``bytes_per_s``."""
+
+    def __init__(self, bytes_per_s: float) -> None:
+        self.rate, self.next_free, self.lock = bytes_per_s, time.monotonic(), threading.Lock()
+
+    def take(self, n: int) -> None:
+        with self.lock:
+            start = max(self.next_free, time.monotonic())
+            self.next_free = start + n / self.rate
+            wait = self.next_free - time.monotonic()
+        if wait > 0:
+            time.sleep(wait)
+
+
+@dataclass
+class Proxy:
+    """What the proxy did: requests and bytes sent to clients."""
+
+    latency_s: float
+    limit: RateLimit
+    requests: int = 0
+    bytes_out: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+def _handler(upstream: tuple[str, int], proxy: Proxy):
+    local = threading.local()
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *args) -> None:
+            pass
+
+        def _upstream(self) -> http.client.HTTPConnection:
+            if getattr(local, "conn", None) is None:
+                local.conn = http.client.HTTPConnection(*upstream, timeout=60)
+            return local.conn
+
+        def _forward(self) -> None:
+            body = self.rfile.read(int(self.headers.get("Content-Length", 0) or 0))
+            headers = {k: v for k, v in self.headers.items() if k.lower() not in HOP_HEADERS}
+            time.sleep(proxy.latency_s)  # the round trip to a far store: before the first byte
+            for attempt in range(2):
+                conn = self._upstream()
+                try:
+                    conn.request(self.command, self.path, body=body or None, headers=headers)
+                    resp = conn.getresponse()
+                    data = resp.read()
+                    break
+                except (http.client.HTTPException, OSError):
+                    conn.close()
+                    local.conn = None
+                    if attempt:
+                        raise
+            self.send_response(resp.status, resp.reason)
+            head = self.command == "HEAD"  # its Content-Length is the object's size: passed on as is
+            for k, v in resp.getheaders():
+                if k.lower() not in HOP_HEADERS and (head or k.lower() != "content-length"):
+                    self.send_header(k, v)
+            if not head:
+                self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            if self.command != "HEAD":
+                for i in range(0, len(data), 1 << 16):
+                    chunk = data[i : i + (1 << 16)]
+                    proxy.limit.take(len(chunk))
+                    self.wfile.write(chunk)
+            with proxy.lock:
+                proxy.requests += 1
+                proxy.bytes_out += len(data) if self.command != "HEAD" else 0
+
+        do_GET = do_HEAD = do_PUT = do_POST = do_DELETE = _forward
+
+    return Handler
+
+
+@contextlib.contextmanager
+def slow_proxy(upstream: tuple[str, int], latency_ms: float, bandwidth_mb_s: float):
+    """A reverse proxy on 127.0.0.1 in front of ``upstream``; yields (its URL, its Proxy counters)."""
+    proxy = Proxy(latency_ms / 1000, RateLimit(bandwidth_mb_s * 1e6))
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(upstream, proxy))
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}", proxy
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@contextlib.contextmanager
+def s3_bucket(local_dir: Path, bucket: str = "bench"):
+    """moto's S3 server with ``local_dir`` uploaded to s3://bucket/ds; yields (host, port)."""
+    import os
+
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    env = {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench", "AWS_DEFAULT_REGION": "us-east-1"}
+    env["AWS_ENDPOINT_URL"] = f"http://{host}:{port}"
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    import fsspec
+
+    fs = fsspec.filesystem("s3", skip_instance_cache=True)
+    if not fs.exists(bucket):
+        fs.mkdir(bucket)
+    for p in sorted(local_dir.rglob("*")):
+        if p.is_file():
+            fs.put_file(str(p), f"{bucket}/ds/{p.relative_to(local_dir).as_posix()}")
+    try:
+        yield host, port
+    finally:
+        server.stop()
+        for k, v in saved.items():  # the caller's environment as it was
+            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+
+
+def epoch_rate(cfg, tokenizer) -> dict[str, Any]:
+    """One epoch out of a fresh DataModule: samples/s after its first batch, and the samples read."""
+    from nanovlm.data.datamodule import PackedMultimodalDataModule
+
+    dm = PackedMultimodalDataModule(cfg.data, cfg.model, tokenizer=tokenizer, rank=0, world_size=1, pin_memory=False)
+    dm.setup("fit")
+    n_batches = dm.current_plan().batches_per_rank()
+    it = iter(dm.train_dataloader())
+    t_first, cpu0 = time.perf_counter(), time.process_time()
+    next(it)
+    t0 = time.perf_counter()
+    samples = 0
+    for _ in range(n_batches - 1):
+        samples += next(it)["meta"]["n_samples"]
+    dt = time.perf_counter() - t0
+    cpu = time.process_time() - cpu0  # this process: the loader's main side, plus the S3 server and proxy threads
+    del it
+    return {
+        "samples": samples,
+        "seconds": dt,
+        "first_batch_s": t0 - t_first,
+        "samples_per_s": samples / dt,
+        "main_cpu_s": cpu,
+    }
+
+
+def measure(args: argparse.Namespace, log=print) -> dict[str, Any]:
+    """Local vs remote rows (see the module docstring); the JSON part of the section."""
+    import fsspec
+
+    from nanovlm.data.index import load_index
+    from nanovlm.data.tokenizer import load_tokenizer
+
+    plan = RemotePlan.quick() if args.quick else RemotePlan()
+    plan.reps = min(plan.reps, args.reps)
+    cfg = data_config(args, plan.workers)
+    if not args.data:
+        demo_dirs(cfg)
+    source = Path(cfg.data.train[0])
+    index = load_index(source)
+    dataset_bytes = sum(s.size_bytes for s in index.shards)
+    tokenizer = load_tokenizer(args.tokenizer or cfg.data.tokenizer, cfg.model.vision.image_splitting)
+    cache = Path(args.workdir) / "remote_cache"
+    rows: list[dict[str, Any]] = []
+
+    def record(name: str, latency: int | None, prefetch: bool | None, cold: bool | None, runs: list, sent: list):
+        row = {
+            "name": name,
+            "latency_ms": latency,
+            "prefetch": prefetch,
+            "cold": cold,
+            "samples_per_s": Stats.of([r["samples_per_s"] for r in runs]).to_dict(),
+            "of_local": Stats.of([r["samples_per_s"] / r["local"] for r in runs]).to_dict(),
+            "first_batch_s": Stats.of([r["first_batch_s"] for r in runs]).to_dict(),
+            "main_cpu_s": Stats.of([r["main_cpu_s"] for r in runs]).to_dict(),
+            "bytes_per_epoch": (sum(sent) / len(sent)) if sent else None,
+        }
+        rows.append(row)
+        log(f"[remote] {name}: {row['samples_per_s']['median']:.0f} samples/s")
+
+    local_runs: list[dict[str, Any]] = []
+    with s3_bucket(source) as upstream:
+        for latency in plan.latencies_ms:
+            with slow_proxy(upstream, latency, plan.bandwidth_mb_s) as (url, proxy):
+                fsspec.config.conf["s3"] = {"endpoint_url": url}  # a new client (another cache key) per proxy
+                for prefetch in (True, False):
+                    cold, warm, sent = [], [], []
+                    for _ in range(plan.reps):  # local, cold, warm in turn: each ratio against its own local pass
+                        local = epoch_rate(cfg, tokenizer)
+                        local_runs.append(local)
+                        shutil.rmtree(cache, ignore_errors=True)
+                        remote_cfg = data_config(args, plan.workers)
+                        remote_cfg.data.train = ["s3://bench/ds"]
+                        remote_cfg.data.cache_dir = str(cache)
+                        remote_cfg.data.prefetch_shards = 2 if prefetch else 0
+                        before = proxy.bytes_out
+                        cold.append(epoch_rate(remote_cfg, tokenizer) | {"local": local["samples_per_s"]})
+                        sent.append(proxy.bytes_out - before)
+                        warm.append(epoch_rate(remote_cfg, tokenizer) | {"local": local["samples_per_s"]})
+                    record(f"S3 +{latency} ms, cold", latency, prefetch, True, cold, sent)
+                    record(f"S3 +{latency} ms, warm", latency, prefetch, False, warm, [])
+    record("local disk", None, None, None, [r | {"local": r["samples_per_s"]} for r in local_runs], [])
+    fsspec.config.conf.pop("s3", None)
+    shutil.rmtree(cache, ignore_errors=True)
+    return {
+        "plan": {**plan.__dict__, "latencies_ms": list(plan.latencies_ms)},
+        "data": str(source),
+        "dataset_bytes": dataset_bytes,
+        "shards": len(index.shards),
+        "samples": index.num_samples,
+        "rows": rows,
+    }
