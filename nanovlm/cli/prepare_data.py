@@ -343,11 +343,15 @@ def _check_inputs(args: argparse.Namespace) -> tuple[list[Path], list[Path]]:
     return inputs, dirs
 
 
-def _summarize(report, index, out_dir: Path, rejected, elapsed: float, fingerprint: str, itc: int, args, cfg) -> int:
-    """Print what was written and skipped; the exit code (1 when nothing could be written)."""
+def _summarize(
+    report, index, out_dir: Path, rejected, elapsed: float, fingerprint: str, itc: int, args, cfg, where: str = ""
+) -> int:
+    """Print what was written and skipped (``where``: the output as the user named it, a URL for an upload); the
+    exit code (1 when nothing could be written)."""
+    where = where or str(out_dir)
     total = report.written + sum(report.skips.values())
     print(
-        f"wrote {report.written} of {total} samples in {len(index.shards)} shard(s) to {out_dir} ({elapsed:.2f} s, {report.written / max(elapsed, 1e-9):.0f} samples/s)"
+        f"wrote {report.written} of {total} samples in {len(index.shards)} shard(s) to {where} ({elapsed:.2f} s, {report.written / max(elapsed, 1e-9):.0f} samples/s)"
     )
     if report.skips:
         print(
@@ -363,7 +367,7 @@ def _summarize(report, index, out_dir: Path, rejected, elapsed: float, fingerpri
         reasons = ", ".join(f"{r}={n}" for r, n in sorted(report.skips.items())) or "no input samples"
         print(f"error: no sample could be written ({reasons}); see {rejected}", file=sys.stderr)
         return 1
-    print(f"index: {out_dir / 'index'} (tokenizer {fingerprint}, {itc} tokens per image)")
+    print(f"index: {where.rstrip('/')}/index (tokenizer {fingerprint}, {itc} tokens per image)")
     limit = cfg.data.max_image_pixels  # 0 = no limit, here and in training
     if limit > 0 and (args.max_image_pixels <= 0 or args.max_image_pixels > limit):
         print(
@@ -437,4 +441,5 @@ def main(argv: Sequence[str] | None = None) -> int:
             shutil.rmtree(staged) if staged.is_dir() else staged.unlink()
     elapsed = time.perf_counter() - t0
 
-    return _summarize(report, index, out_dir, rejected, elapsed, fingerprint, itc, args, cfg)
+    where = redact(remote_out) if remote_out else str(out_dir)
+    return _summarize(report, index, out_dir, rejected, elapsed, fingerprint, itc, args, cfg, where)

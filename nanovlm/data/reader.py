@@ -175,8 +175,10 @@ class ShardReader:
         if f is None:
             if len(self._files) >= self._max_open:  # close the oldest handle
                 self._files.pop(next(iter(self._files))).close()
-            local = path if self.cache is None or "://" not in path else self.cache.local(path)
-            f = self._files[path] = open(local, "rb")  # noqa: SIM115 - kept open on purpose (also once evicted)
+            if self.cache is not None and "://" in path:
+                f = self._files[path] = self.cache.open(path)  # stays readable if the cache evicts it later
+            else:
+                f = self._files[path] = open(path, "rb")  # noqa: SIM115 - kept open on purpose
         return f
 
     def read_members(self, path: str, offset: int, nbytes: int, key: str) -> dict[str, bytes]:

@@ -12,7 +12,8 @@ request instead of one request per sample, and the plan says which shards come n
 before they are needed (``Prefetcher``). A staged shard is trusted only after its size and CRC-32 match the
 index; it is written under a temporary name and renamed, under a per-shard file lock, so the processes of a
 node share one copy and a crash leaves nothing half-written that is later trusted. The cache stays under
-``data.cache_max_bytes``: shards the plan no longer needs go first, then the least recently used.
+``data.cache_max_bytes`` (a fetch reserves its size first): shards the plan does not read next go first, then the
+least recently used on the node.
 
 Transient failures (connection resets, timeouts, 5xx, throttling) are retried with exponential backoff and
 jitter (``with_retries``), counted; past the bound, or for an object that is gone, the error names the URL.
@@ -30,12 +31,11 @@ import re
 import shutil
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, BinaryIO, TypeVar
 
 from nanovlm.data.index import crc32_file
 
@@ -51,6 +51,10 @@ class RemoteError(OSError):
     """A remote object could not be read (after retries), or is gone; the message names it (redacted)."""
 
 
+class RemoteGoneError(RemoteError):
+    """The object does not exist (or may not be read): retrying cannot help."""
+
+
 def is_remote(path: str | os.PathLike) -> bool:
     """Whether a dataset directory or shard path is a URL of a remote store."""
     m = re.match(r"^([a-zA-Z][a-zA-Z0-9+.-]*)://", str(path))
@@ -60,7 +64,7 @@ def is_remote(path: str | os.PathLike) -> bool:
 def redact(text: str) -> str:
     """``text`` (a URL, or a message holding URLs) without credentials: every URL loses its user:password@ and
     its query string and fragment (presigned tokens)."""
-    text = re.sub(r"([a-zA-Z][a-zA-Z0-9+.-]*://)[^/\s@]*@", r"\1", str(text))
+    text = re.sub(r"([a-zA-Z][a-zA-Z0-9+.-]*://)[^/\s]*@", r"\1", str(text))
     return re.sub(r"(://[^\s?#'\"]*)[?#][^\s'\")]*", r"\1", text)
 
 
@@ -134,9 +138,13 @@ def with_retries(fn: Callable[[], T], what: str, policy: RetryPolicy, counters: 
     for attempt in range(policy.attempts):
         try:
             return fn()
+        except LocalCacheError:
+            raise
         except Exception as e:  # noqa: BLE001 - every backend raises its own types; _gone() decides
             if _gone(e):
-                raise RemoteError(f"{what} is gone or not readable ({type(e).__name__}: {redact(str(e))})") from None
+                raise RemoteGoneError(
+                    f"{what} is gone or not readable ({type(e).__name__}: {redact(str(e))})"
+                ) from None
             if attempt == policy.attempts - 1:
                 raise RemoteError(
                     f"{what}: still failing after {policy.attempts} attempts ({type(e).__name__}: {redact(str(e))}); "
@@ -199,7 +207,7 @@ def fetch_index(url: str, cache_dir: str | os.PathLike | None = None, policy: Re
     meta_url = join(url, f"{INDEX_DIR}/{META_FILE}")
     try:
         meta = read_bytes(meta_url, policy)
-    except RemoteError as e:
+    except RemoteGoneError as e:  # (a store that keeps failing is a RemoteError of its own)
         raise FileNotFoundError(
             f"no index at {redact(url)} ({e}): prepare the dataset with scripts/prepare_data.py and upload the "
             "directory (its shards and index/)"
@@ -271,7 +279,14 @@ class ShardInfo:
 
 
 class ShardCache:
-    """Remote shards staged whole under ``directory``, at most ``max_bytes`` of them (see the module docstring)."""
+    """Remote shards staged whole under ``directory``, at most ``max_bytes`` of them (see the module docstring).
+
+    ``open(url)`` is what readers call: it returns an open file, so a shard another process evicts afterwards stays
+    readable through it (an unlinked file lives while it is open), and one evicted between staging and opening is
+    simply staged again. Staging and eviction take the shard's file lock, and eviction also a cache-wide one, so
+    the processes of a node never fetch one shard twice at once nor delete a copy that is being written or checked.
+    The last use of a staged copy is its mtime (set on every use), which orders eviction across processes.
+    """
 
     def __init__(
         self,
@@ -286,16 +301,16 @@ class ShardCache:
         self.shards = shards
         self.policy = policy or RetryPolicy()
         self.counters = counters or RemoteCounters()
-        self._used: OrderedDict[str, None] = OrderedDict()  # this process's uses, least recent first
+        self._checked: set[str] = set()  # copies this process has CRC-checked since it staged or first used them
         self._wanted: set[str] = set()  # file names the plan needs soon: evicted last
         self._mutex = threading.Lock()
 
     def __getstate__(self) -> dict:  # travels to DataLoader workers without its lock and counters
-        return {k: v for k, v in self.__dict__.items() if k not in ("_mutex", "counters", "_used", "_wanted")}
+        return {k: v for k, v in self.__dict__.items() if k not in ("_mutex", "counters", "_checked", "_wanted")}
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
-        self.counters, self._used, self._wanted, self._mutex = RemoteCounters(), OrderedDict(), set(), threading.Lock()
+        self.counters, self._checked, self._wanted, self._mutex = RemoteCounters(), set(), set(), threading.Lock()
 
     def _path(self, url: str) -> Path:
         return self.dir / cache_name(url)
@@ -305,51 +320,84 @@ class ShardCache:
         with self._mutex:
             self._wanted = {cache_name(u) for u in urls}
 
+    def open(self, url: str) -> BinaryIO:
+        """The staged copy of ``url``, open for reading (fetched and checked first when it is not staged)."""
+        for _ in range(3):
+            path = self.local(url)
+            try:
+                f = open(path, "rb")  # noqa: SIM115 - the caller owns it
+            except FileNotFoundError:  # evicted by another process between staging and opening: stage again
+                continue
+            if os.fstat(f.fileno()).st_size == self.shards[url].size:
+                return f
+            f.close()
+        raise RemoteError(f"{redact(url)}: its staged copy in {self.dir} keeps disappearing (is the cache too small?)")
+
     def local(self, url: str) -> Path:
-        """The staged copy of ``url``, fetched (and checked) first when it is not in the cache."""
+        """The path of the staged copy of ``url`` (fetched and checked first when needed); prefer ``open``."""
         info = self.shards.get(url)
         if info is None:
             raise RemoteError(f"{redact(url)} is not a shard of the loaded indexes")
+        if info.size > self.max_bytes:
+            raise RemoteError(
+                f"{redact(url)} has {info.size} bytes, more than data.cache_max_bytes={self.max_bytes}: raise it"
+            )
         path = self._path(url)
-        self.dir.mkdir(parents=True, exist_ok=True)
         if self._valid(path, info, quick=True):
-            self._touch(path)
             self.counters.add(hits=1)
             return path
-        with file_lock(path.with_name(path.name + ".lock")):  # one process fetches; the others then find it
+        self.dir.mkdir(parents=True, exist_ok=True)
+        with file_lock(self._lock_path(path)):  # one process fetches; the others then find it staged
             if not self._valid(path, info, quick=False):
                 self._fetch(url, path, info)
-        self._touch(path)
         return path
 
     # -- internals ------------------------------------------------------------------------------------------
 
+    def _lock_path(self, path: Path) -> Path:
+        return path.with_name(path.name + ".lock")
+
     def _valid(self, path: Path, info: ShardInfo, quick: bool) -> bool:
-        """Staged and whole: the size always; the CRC once per process (``quick`` trusts a copy already checked)."""
+        """Staged and whole: the size always, the CRC once per process (``quick`` skips a copy not yet checked
+        here, which is then checked under its lock). Marks the copy used (its mtime)."""
         try:
             if path.stat().st_size != info.size:
                 return False
+            if path.name not in self._checked:
+                if quick:
+                    return False
+                if info.crc32 and crc32_file(path) != info.crc32:
+                    log.warning("staged shard %s failed its CRC check: fetching it again", path.name)
+                    self.counters.add(refetched=1)
+                    path.unlink(missing_ok=True)  # under the shard's lock: no one is writing it
+                    return False
+                self._checked.add(path.name)
+            os.utime(path)  # the node-wide "last used" that eviction orders by
         except FileNotFoundError:
-            return False
-        if quick and path.name in self._used:
-            return True
-        if info.crc32 and crc32_file(path) != info.crc32:
-            log.warning("staged shard %s failed its CRC check: fetching it again", path.name)
-            self.counters.add(refetched=1)
-            path.unlink(missing_ok=True)
+            self._checked.discard(path.name)
             return False
         return True
 
     def _fetch(self, url: str, path: Path, info: ShardInfo) -> None:
-        self._make_room(info.size)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.part")
+        self._make_room(info.size, tmp)
         fs, remote = filesystem(url)
 
         def fetch_checked() -> None:
-            with fs.open(remote, "rb", block_size=CHUNK) as src, open(tmp, "wb") as dst:
-                while chunk := src.read(CHUNK):
-                    dst.write(chunk)
-            got = tmp.stat().st_size
+            got = 0
+            with fs.open(remote, "rb", block_size=CHUNK) as src:
+                try:
+                    dst = open(tmp, "r+b")  # noqa: SIM115 - reserved at its full size by _make_room
+                except OSError as e:
+                    raise LocalCacheError(e) from None
+                with dst:
+                    while chunk := src.read(CHUNK):
+                        try:
+                            dst.write(chunk)
+                        except OSError as e:  # a full disk is not the store's fault: not retried
+                            raise LocalCacheError(e) from None
+                        got += len(chunk)
+                    dst.truncate(got)
             if got != info.size:  # a cut connection, or the object was replaced: fetch again
                 raise ConnectionError(f"got {got} bytes, the index says {info.size}")
             if info.crc32 and crc32_file(tmp) != info.crc32:
@@ -358,45 +406,95 @@ class ShardCache:
         try:
             with_retries(fetch_checked, redact(url), self.policy, self.counters)
             os.replace(tmp, path)  # atomic: a reader sees the whole shard or none
+        except LocalCacheError as e:
+            raise RemoteError(
+                f"cannot stage {redact(url)} in {self.dir}: {e.__cause__ or e} (is the disk full?)"
+            ) from None
         except OSError as e:
-            tmp.unlink(missing_ok=True)
             if isinstance(e, RemoteError):
                 raise
-            raise RemoteError(
-                f"cannot stage {redact(url)} in {self.dir}: {e} (a full disk? see data.cache_dir)"
-            ) from None
+            raise RemoteError(f"cannot stage {redact(url)} in {self.dir}: {e} (is the disk full?)") from None
         finally:
             tmp.unlink(missing_ok=True)
+        with self._mutex:
+            self._checked.add(path.name)
         self.counters.add(fetched=1, fetched_bytes=info.size)
 
-    def _touch(self, path: Path) -> None:
-        with self._mutex:
-            self._used.pop(path.name, None)
-            self._used[path.name] = None
+    def _make_room(self, incoming: int, reserve: Path) -> None:
+        """Evict staged shards until ``incoming`` more bytes fit under max_bytes, then reserve them: ``reserve``
+        (the fetch's temporary file) is created at its full size, so fetches in flight count against the cap.
+        Evicted first: shards this process's plan does not want soon, then the least recently used on the node; a
+        copy whose lock another process holds (being fetched or checked) is left alone; leftovers of fetches whose
+        process died are removed."""
+        with file_lock(self.dir / ".evict.lock"):
+            self._evict(incoming)
+            try:
+                with open(reserve, "wb") as f:
+                    f.truncate(incoming)
+            except OSError as e:
+                raise RemoteError(f"cannot stage a shard in {self.dir}: {e} (is the disk full?)") from None
 
-    def _make_room(self, incoming: int) -> None:
-        """Evict staged shards until ``incoming`` more bytes fit under max_bytes: first those the plan does not
-        want soon, least recently used first (by this process's uses, then by file age)."""
-        entries = []
+    def _evict(self, incoming: int) -> None:
+        """Delete staged copies until ``incoming`` more bytes fit (the caller holds the cache-wide lock)."""
+        staged, total = [], 0
         with contextlib.suppress(FileNotFoundError):
             for e in os.scandir(self.dir):
-                if e.is_file() and not e.name.endswith((".lock", ".part")):
-                    st = e.stat()
-                    entries.append((e.name, st.st_size, st.st_mtime))
-        total = sum(size for _, size, _ in entries)
+                if not e.is_file() or e.name.endswith(".lock"):
+                    continue
+                st = e.stat()
+                if e.name.endswith(".part"):
+                    if _pid_alive(e.name):
+                        total += st.st_size
+                    else:
+                        Path(e.path).unlink(missing_ok=True)
+                    continue
+                staged.append((e.name, st.st_size, st.st_mtime))
+                total += st.st_size
         if total + incoming <= self.max_bytes:
             return
         with self._mutex:
-            recency = {name: i for i, name in enumerate(self._used)}
             wanted = set(self._wanted)
-        entries.sort(key=lambda e: (e[0] in wanted, recency.get(e[0], -1), e[2]))
-        for name, size, _ in entries:
+        staged.sort(key=lambda e: (e[0] in wanted, e[2]))
+        for name, size, _ in staged:
             if total + incoming <= self.max_bytes:
                 break
-            (self.dir / name).unlink(missing_ok=True)  # an open reader keeps its copy until it closes it
-            with self._mutex:
-                self._used.pop(name, None)
-            total -= size
+            if _try_remove(self.dir / name, self._lock_path(self.dir / name)):
+                with self._mutex:
+                    self._checked.discard(name)
+                total -= size
+
+
+class LocalCacheError(Exception):
+    """Writing a staged copy failed on the local disk (full, read-only, permissions): never retried."""
+
+
+def _pid_alive(part_name: str) -> bool:
+    """Whether the process that is writing ``.NAME.PID.TID.part`` still runs."""
+    try:
+        pid = int(part_name.rsplit(".", 3)[-3])
+        os.kill(pid, 0)
+    except (ValueError, IndexError, ProcessLookupError):
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _try_remove(path: Path, lock: Path) -> bool:
+    """Delete a staged copy unless another process holds its lock (fetching or checking it)."""
+    try:
+        with open(lock, "a+b") as f:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return False
+            try:
+                path.unlink(missing_ok=True)
+            finally:
+                fcntl.flock(f, fcntl.LOCK_UN)
+    except OSError:
+        return False
+    return True
 
 
 def shard_cache(indexes: Iterable, cache_dir: str | os.PathLike | None, max_bytes: int) -> ShardCache | None:

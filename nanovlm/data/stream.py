@@ -93,7 +93,7 @@ class PackStream(IterableDataset):
         k = first_pack
         while True:
             while k < plan.packs_per_slot:
-                if prefetch is not None and k % 4 == 0:  # the shards ahead change every few packs at most
+                if prefetch is not None and (k == 0 or k == first_pack or k % 4 == 0):  # at a start, then every 4
                     prefetch.upcoming(self._shards_ahead(plan, slot, k))
                 positions = plan.pack(slot, k)
                 gids = plan.order[positions]

@@ -5,7 +5,6 @@ a reset connection, a body cut short, a slow answer). Nothing here mocks a clien
 from __future__ import annotations
 
 import contextlib
-import os
 import random
 import re
 import threading
@@ -158,8 +157,3 @@ def upload(fs, local: Path, remote: str) -> None:
     for path in sorted(local.rglob("*")):
         if path.is_file():
             fs.pipe(f"{remote}/{path.relative_to(local).as_posix()}", path.read_bytes())
-
-
-def secrets_in(text: str) -> list[str]:
-    """Credentials of the test servers that appear in ``text`` (must be none)."""
-    return [s for s in ("test-secret-do-not-log", os.environ.get("AWS_SECRET_ACCESS_KEY", "\0")) if s in text]
