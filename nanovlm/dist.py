@@ -1,11 +1,15 @@
-"""Rank and world size, in one place: from torch.distributed once it is up, from the launcher's environment before.
+"""Rank and world size, in one place: from torch.distributed once it is up, from the launcher's environment before;
+and the file lock the processes of one node coordinate with.
 
 Every helper works without torch.distributed (one process: rank 0 of 1), so callers never check for it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -52,3 +56,17 @@ def global_rank_from_env() -> int:
         if os.environ.get(var, "").isdigit():
             return int(os.environ[var])
     return 0
+
+
+@contextlib.contextmanager
+def file_lock(path: str | os.PathLike):
+    """An exclusive lock shared by the processes of a node (fcntl on ``path``, created when missing): ranks
+    starting together build the demo data once, and workers share one staged copy of a remote shard."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a+b") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)

@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any, BinaryIO, TypeVar
 
 from nanovlm.data.index import crc32_file
+from nanovlm.dist import file_lock
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -182,18 +183,6 @@ def download(url: str, dest: Path, policy: RetryPolicy, counters: RemoteCounters
 def default_cache_dir() -> Path:
     """``$NANOVLM_CACHE``, else ~/.cache/nanovlm: where remote indexes and staged shards go by default."""
     return Path(os.environ.get("NANOVLM_CACHE") or Path.home() / ".cache" / "nanovlm")
-
-
-@contextlib.contextmanager
-def file_lock(path: Path):
-    """An exclusive lock shared by the processes of a node (fcntl on ``path``)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a+b") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def fetch_index(url: str, cache_dir: str | os.PathLike | None = None, policy: RetryPolicy | None = None) -> Path:

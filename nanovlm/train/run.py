@@ -5,10 +5,8 @@
 
 from __future__ import annotations
 
-import fcntl
 import os
 import warnings
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -16,7 +14,7 @@ from typing import Any
 import lightning.pytorch as pl
 
 from nanovlm.config import Config, save_config
-from nanovlm.dist import global_rank_from_env
+from nanovlm.dist import file_lock, global_rank_from_env
 from nanovlm.train import strategies
 from nanovlm.train.callbacks import DataProgress, StartSummary, Telemetry
 from nanovlm.train.checkpoint import (
@@ -43,18 +41,6 @@ class TrainResult:
     stopped_by_signal: bool = False  # preempted by a signal (on any rank), not by trainer.stop_at_step
     telemetry: list[dict[str, float]] = field(default_factory=list)  # rank 0's logged rows
     eval: dict[str, Any] | None = None
-
-
-@contextmanager
-def file_lock(path: Path):
-    """An exclusive inter-process lock (ranks starting together must not build the demo data twice)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def ensure_data(cfg: Config) -> None:
