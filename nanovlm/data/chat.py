@@ -10,7 +10,7 @@ whole conversation, the role capitalised, ``": "`` before text and ``":"`` befor
 
     <|im_start|>User:<image>{text}<end_of_utterance>\\nAssistant: {content}<end_of_utterance>\\n
 
-Each turn is (special tokens, header text, content text, end token, "\\n"); ``processing.SampleProcessor`` encodes
+Each turn is (special tokens and text of its header, its content, end token, "\\n"); ``processing.SampleProcessor`` encodes
 those pieces one by one so that it can put loss labels exactly on an assistant's content and its end token. The
 pieces split where a byte-level tokenizer's pre-tokenizer splits anyway, so the ids equal a tokenization of the
 rendered template (tests/unit/test_export.py checks it against transformers' processor).
@@ -71,13 +71,11 @@ def conversation_start(name: str) -> tuple[str, ...]:
     return () if name == "chatml" else (IM_START,)
 
 
-def turn(name: str, role: str, content: str) -> tuple[tuple[str, ...], str, str]:
-    """(special tokens opening the turn, header text, content text) of one message."""
-    if name == "chatml":
-        return (IM_START,), role + "\n", content
-    return (), role.capitalize() + ":", content if content.startswith(IMAGE_TOKEN) else " " + content
+def header(name: str, role: str) -> tuple[tuple[str, ...], str]:
+    """(special tokens, text) that open a turn of ``role``."""
+    return ((IM_START,), role + "\n") if name == "chatml" else ((), role.capitalize() + ":")
 
 
-def generation_prompt(name: str) -> tuple[tuple[str, ...], str]:
-    """(special tokens, text) that open the assistant's turn to be generated."""
-    return ((IM_START,), "assistant\n") if name == "chatml" else ((), "Assistant:")
+def content(name: str, text: str) -> str:
+    """A message's content as the format writes it after its header."""
+    return text if name == "chatml" or text.startswith(IMAGE_TOKEN) else " " + text

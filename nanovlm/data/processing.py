@@ -289,6 +289,7 @@ class SampleProcessor:
         self._ids = self._special_ids(tokenizer, needed)
         self.end_id, self.image_token_id = self._ids[chat.end_token(chat_format)], self._ids[IMAGE_TOKEN]
         self._start = [self._ids[t] for t in chat.conversation_start(chat_format)]
+        self._headers: dict[str, list[int]] = {}
         # Prompts repeat across a dataset ("Describe the image.", the demo's questions): one tokenizer call
         # costs ~20 us, a dict hit well under 1. Short pieces only, and the first CACHED_PIECES distinct ones
         # (a plain dict: picklable, no eviction work), so memory stays under ~4 MB.
@@ -331,6 +332,11 @@ class SampleProcessor:
 
     def _pieces(self, specials: Sequence[str], text: str) -> list[int]:
         return [self._ids[t] for t in specials] + list(self._encode_text(text))
+
+    def _header(self, role: str) -> list[int]:
+        if role not in self._headers:
+            self._headers[role] = self._pieces(*chat.header(self.chat_format, role))
+        return self._headers[role]
 
     # ---- images ------------------------------------------------------------------------------------------
 
@@ -416,11 +422,10 @@ class SampleProcessor:
         labels: list[int] = [IGNORE_INDEX] * len(ids)
         spans: list[tuple[int, int]] = []
         for m in messages:
-            specials, head, text = chat.turn(self.chat_format, m["role"], m["content"])
-            header = self._pieces(specials, head)
+            header = self._header(m["role"])
             ids += header
             labels += [IGNORE_INDEX] * len(header)
-            content, content_spans = self._content(text, images)
+            content, content_spans = self._content(chat.content(self.chat_format, m["content"]), images)
             spans += [(len(ids) + a, len(ids) + b) for a, b in content_spans]
             ids += content
             if m["role"] == "assistant":
@@ -449,12 +454,12 @@ class SampleProcessor:
         self, messages: list[dict], images: Sequence[bytes] = (), key: str = ""
     ) -> tuple[list[int], torch.Tensor]:
         """(ids, pixel values) to generate the next assistant turn from: the conversation with its images laid out
-        as in training, then the opening of the assistant's turn (``chat.generation_prompt``). Raises SampleError for a placeholder/image mismatch
+        as in training, then the header of an assistant turn. Raises SampleError for a placeholder/image mismatch
         and for unreadable images."""
         self._check_images(messages, images, key)
         opened = [self._open(b, key) for b in images]
         ids, _ = self.encode(messages, [self.image_ids(g) for _, g in opened])
-        return ids + self._pieces(*chat.generation_prompt(self.chat_format)), self._pixels(opened, key)
+        return ids + self._header("assistant"), self._pixels(opened, key)
 
     @staticmethod
     def _check_images(messages: list[dict], images: Sequence[bytes], key: str) -> None:

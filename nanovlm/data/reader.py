@@ -15,6 +15,7 @@ from typing import BinaryIO
 
 from nanovlm.data.format import Record, SampleError, members_to_record
 from nanovlm.data.index import TarSample, split_member_name
+from nanovlm.data.remote import is_remote
 
 _END_OF_ARCHIVE = b"\0" * 1024  # two zero blocks: lets tarfile stop cleanly at the end of the byte range
 _NON_FILE_TYPES = (b"1", b"2", b"3", b"4", b"5", b"6")  # links, devices, dirs, fifos: skipped like tarfile does
@@ -175,7 +176,7 @@ class ShardReader:
         if f is None:
             if len(self._files) >= self._max_open:  # close the oldest handle
                 self._files.pop(next(iter(self._files))).close()
-            if self.cache is not None and "://" in path:
+            if self.cache is not None and is_remote(path):
                 f = self._files[path] = self.cache.open(path)  # stays readable if the cache evicts it later
             else:
                 f = self._files[path] = open(path, "rb")  # noqa: SIM115 - kept open on purpose

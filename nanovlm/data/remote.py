@@ -165,19 +165,26 @@ def read_bytes(url: str, policy: RetryPolicy | None = None, counters: RemoteCoun
     return with_retries(lambda: fs.cat_file(path), redact(url), policy or RetryPolicy(), counters)
 
 
+def _copy(fs, remote: str, dest: Path, mode: str = "wb") -> int:
+    """Stream one remote object into ``dest`` (``mode`` "r+b": a file reserved at its full size, cut to what
+    arrived); returns the bytes copied. A local write error is a LocalCacheError: retrying the store cannot fix it."""
+    n = 0
+    with fs.open(remote, "rb", block_size=CHUNK) as src:
+        try:
+            with open(dest, mode) as dst:
+                while chunk := src.read(CHUNK):
+                    dst.write(chunk)
+                    n += len(chunk)
+                dst.truncate(n)
+        except OSError as e:
+            raise LocalCacheError(e) from None
+    return n
+
+
 def download(url: str, dest: Path, policy: RetryPolicy, counters: RemoteCounters | None = None) -> int:
     """Stream ``url`` into ``dest`` (overwritten), with retries; returns its size."""
     fs, path = filesystem(url)
-
-    def once() -> int:
-        n = 0
-        with fs.open(path, "rb", block_size=CHUNK) as src, open(dest, "wb") as dst:
-            while chunk := src.read(CHUNK):
-                dst.write(chunk)
-                n += len(chunk)
-        return n
-
-    return with_retries(once, redact(url), policy, counters)
+    return with_retries(lambda: _copy(fs, path, dest), redact(url), policy, counters)
 
 
 def default_cache_dir() -> Path:
@@ -217,6 +224,9 @@ def fetch_index(url: str, cache_dir: str | os.PathLike | None = None, policy: Re
         except (DatasetIndexError, RemoteError) as e:
             shutil.rmtree(tmp, ignore_errors=True)
             raise DatasetIndexError(f"the index of {redact(url)} cannot be used: {redact(str(e))}") from None
+        except LocalCacheError as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise RemoteError(f"cannot copy the index of {redact(url)} into {root.parent}: {e}") from None
         if root.exists():
             os.replace(root, old)
         os.replace(tmp, root)
@@ -373,20 +383,7 @@ class ShardCache:
         fs, remote = filesystem(url)
 
         def fetch_checked() -> None:
-            got = 0
-            with fs.open(remote, "rb", block_size=CHUNK) as src:
-                try:
-                    dst = open(tmp, "r+b")  # noqa: SIM115 - reserved at its full size by _make_room
-                except OSError as e:
-                    raise LocalCacheError(e) from None
-                with dst:
-                    while chunk := src.read(CHUNK):
-                        try:
-                            dst.write(chunk)
-                        except OSError as e:  # a full disk is not the store's fault: not retried
-                            raise LocalCacheError(e) from None
-                        got += len(chunk)
-                    dst.truncate(got)
+            got = _copy(fs, remote, tmp, "r+b")  # tmp was reserved at full size by _make_room
             if got != info.size:  # a cut connection, or the object was replaced: fetch again
                 raise ConnectionError(f"got {got} bytes, the index says {info.size}")
             if info.crc32 and crc32_file(tmp) != info.crc32:
@@ -395,13 +392,9 @@ class ShardCache:
         try:
             with_retries(fetch_checked, redact(url), self.policy, self.counters)
             os.replace(tmp, path)  # atomic: a reader sees the whole shard or none
-        except LocalCacheError as e:
-            raise RemoteError(
-                f"cannot stage {redact(url)} in {self.dir}: {e.__cause__ or e} (is the disk full?)"
-            ) from None
-        except OSError as e:
-            if isinstance(e, RemoteError):
-                raise
+        except RemoteError:
+            raise
+        except (LocalCacheError, OSError) as e:  # writing or renaming the staged copy
             raise RemoteError(f"cannot stage {redact(url)} in {self.dir}: {e} (is the disk full?)") from None
         finally:
             tmp.unlink(missing_ok=True)
