@@ -265,12 +265,14 @@ def _type_name(key: str) -> str:
 
 def _check_values(cfg: Config) -> None:
     """Semantic checks that types alone cannot express (choices, divisibility)."""
+    from nanovlm.data.chat import CHAT_FORMATS  # here: the data package loads transformers
+
     choices = {
         "model.attn_backend": (cfg.model.attn_backend, {"auto", "flash_attn", "torch_varlen", "sdpa"}),
         "data.overlength": (cfg.data.overlength, {"drop", "truncate"}),
         "data.packing": (cfg.data.packing, {"packed", "pad_to_longest", "constrained"}),
         "data.image_resize": (cfg.data.image_resize, {"squash", "letterbox"}),
-        "data.chat_format": (cfg.data.chat_format, {"chatml", "smolvlm"}),
+        "data.chat_format": (cfg.data.chat_format, set(CHAT_FORMATS)),
         "optim.schedule": (cfg.optim.schedule, {"cosine", "linear", "constant"}),
         "trainer.strategy": (cfg.trainer.strategy, {"auto", "ddp", "fsdp", "single"}),
         "trainer.logger": (cfg.trainer.logger, {"csv", "tensorboard", "none"}),

@@ -136,7 +136,9 @@ class DatasetIndex:
         """Where a shard is read from: its URL for a remote dataset, else its absolute local path."""
         s = self.shards[shard] if isinstance(shard, int) else shard
         if self.source:
-            return self.source.rstrip("/") + "/" + s.name
+            from nanovlm.data.remote import join  # imports this module: here, not at the top
+
+            return join(self.source, s.name)
         return str((self.root / s.name).resolve())
 
     def key(self, i: int) -> str:

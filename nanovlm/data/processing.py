@@ -39,7 +39,6 @@ from nanovlm.data.tiling import (
     ImageLayout,
     idefics3_resized,
     idefics3_side,
-    idefics3_tiled,
     position_marker,
 )
 from nanovlm.data.tokenizer import plain_text_tokenizer
@@ -202,17 +201,16 @@ def split_image(img: Image.Image, grid: tuple[int, int], size: int, resize: str 
     return [canvas.crop(b) for b in boxes] + [whole]
 
 
-def split_idefics3(img: Image.Image, size: int, longest_edge: int) -> list[Image.Image]:
-    """An upright RGB image -> its views under Idefics3's rule (tiling.py), resized as transformers'
-    ``Idefics3ImageProcessor`` resizes them (LANCZOS): the longest edge to ``longest_edge``, then up to whole
-    tiles; the tiles row by row, then the global view (none when the grid is one tile)."""
+def split_idefics3(img: Image.Image, grid: tuple[int, int], size: int, longest_edge: int) -> list[Image.Image]:
+    """An upright RGB image -> its views for ``grid`` (``tiling.idefics3_grids`` of its size), resized as
+    transformers' ``Idefics3ImageProcessor`` resizes them (LANCZOS): the longest edge to ``longest_edge``, then to
+    the grid's whole tiles; the tiles row by row, then the global view (none when the grid is one tile)."""
     w, h = (int(x[0]) for x in idefics3_resized([img.width], [img.height], longest_edge))
-    img = img.resize((w, h), Image.Resampling.LANCZOS)
-    tw, th = (int(x[0]) for x in idefics3_tiled([w], [h], size))
-    img = img.resize((tw, th), Image.Resampling.LANCZOS)
-    if (tw, th) == (size, size):
+    rows, cols = grid
+    img = img.resize((w, h), Image.Resampling.LANCZOS).resize((cols * size, rows * size), Image.Resampling.LANCZOS)
+    if rows * cols == 1:
         return [img]
-    boxes = [(c, r, c + size, r + size) for r in range(0, th, size) for c in range(0, tw, size)]
+    boxes = [(c * size, r * size, (c + 1) * size, (r + 1) * size) for r in range(rows) for c in range(cols)]
     return [img.crop(b) for b in boxes] + [img.resize((size, size), Image.Resampling.LANCZOS)]
 
 
@@ -379,7 +377,7 @@ class SampleProcessor:
         if grid == NO_SPLIT:
             return [resize_image(img, self.image_size, self.resize)]
         if self.layout.longest_edge:
-            return split_idefics3(img, self.image_size, self.layout.longest_edge)
+            return split_idefics3(img, grid, self.image_size, self.layout.longest_edge)
         return split_image(img, grid, self.image_size, self.resize)
 
     def _pixels(self, opened: Sequence[tuple[Image.Image, tuple[int, int]]], key: str) -> torch.Tensor:

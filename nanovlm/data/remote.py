@@ -171,13 +171,20 @@ def _copy(fs, remote: str, dest: Path, mode: str = "wb") -> int:
     n = 0
     with fs.open(remote, "rb", block_size=CHUNK) as src:
         try:
-            with open(dest, mode) as dst:
-                while chunk := src.read(CHUNK):
-                    dst.write(chunk)
-                    n += len(chunk)
-                dst.truncate(n)
+            dst = open(dest, mode)  # noqa: SIM115
         except OSError as e:
             raise LocalCacheError(e) from None
+        with dst:
+            while chunk := src.read(CHUNK):  # a network error here is the store's: retried by the caller
+                try:
+                    dst.write(chunk)
+                except OSError as e:
+                    raise LocalCacheError(e) from None
+                n += len(chunk)
+            try:
+                dst.truncate(n)
+            except OSError as e:
+                raise LocalCacheError(e) from None
     return n
 
 
@@ -248,11 +255,11 @@ def publish(local: Path, url: str, policy: RetryPolicy | None = None) -> int:
     files = [s.name for s in index.shards] + [f"{INDEX_DIR}/{c}.npy" for c in COLUMNS] + [f"{INDEX_DIR}/{META_FILE}"]
     sent = 0
     for name in files:
-        target = f"{base.rstrip('/')}/{name}"
+        target = join(base, name)
         with_retries(lambda n=name, t=target: fs.put_file(str(local / n), t), redact(join(url, name)), policy)
         sent += (local / name).stat().st_size
-    listed = {f"{base.rstrip('/')}/{s.name}" for s in index.shards}
-    for stale in fs.glob(f"{base.rstrip('/')}/shard-*.tar"):
+    listed = {join(base, s.name) for s in index.shards}
+    for stale in fs.glob(join(base, "shard-*.tar")):
         if stale.split("://", 1)[-1] not in listed:
             with_retries(lambda p=stale: fs.rm(p), redact(stale), policy)
     return sent
@@ -500,8 +507,8 @@ class Prefetcher:
         self._last: list[str] = []
 
     def upcoming(self, urls: Iterable[str]) -> None:
-        """``urls``: the shards of the coming reads, in plan order (duplicates and local paths ignored). Called
-        for every pack: work is done only when the list changes."""
+        """``urls``: the shards of the coming reads, in plan order (duplicates and local paths ignored); work is
+        done only when the list changed since the last call."""
         order = list(dict.fromkeys(u for u in urls if is_remote(u)))[: self.ahead + 1]
         if order == self._last:
             return

@@ -131,7 +131,7 @@ def test_idefics3_rule_gives_transformers_grids_and_pixels(edge):
         rows, cols = out["rows"][0][0], out["cols"][0][0]
         assert tuple(grid) == (max(rows, 1), max(cols, 1)), (w, h)  # transformers: (0, 0) for one tile
         theirs = np.stack(out["pixel_values"][0])
-        ours = np.stack([np.asarray(v).transpose(2, 0, 1) for v in split_idefics3(img, S, edge)])
+        ours = np.stack([np.asarray(v).transpose(2, 0, 1) for v in split_idefics3(img, tuple(grid), S, edge)])
         np.testing.assert_array_equal(ours, theirs, err_msg=f"{w}x{h}")
     seen = {(int(r), int(c)) for r, c in grids}
     assert seen >= {(7, 7), (1, 7), (7, 1), (4, 7)} if edge > S else seen == {(1, 1)}
