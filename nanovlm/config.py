@@ -107,6 +107,7 @@ class DataConfig:
     num_workers: int = 2  # DataLoader workers per rank (0 = in the main process)
     queue_size: int = 4  # finished packs buffered by each producer (memory = queue_size x pack size)
     pin_memory: bool = True  # pin batches when training on a GPU
+    static_shapes: bool = False  # every pack has the same tensor shapes (for trainer.compile=step; see collate.py)
     image_resize: str = "squash"  # squash | letterbox: how images reach vision.image_size
     chat_format: str = "chatml"  # chatml | smolvlm (SmolVLM/Idefics3 instruct checkpoints): how turns are framed
     max_image_pixels: int = 64_000_000  # larger images are skipped (decompression-bomb guard)
@@ -162,7 +163,7 @@ class TrainerConfig:
     logger: str = "csv"  # csv | tensorboard | none
     progress_bar: bool = True  # show the progress bar with loss, tokens/s and fill
     activation_checkpointing: bool = False  # recompute block activations in backward (saves memory)
-    compile: bool = False  # torch.compile the transformer blocks
+    compile: str = "none"  # none | blocks (torch.compile each block) | step (the whole forward + backward; needs data.static_shapes)
     peak_tflops: float = 0.0  # per-device peak for MFU; 0 = guess from the GPU name (CPU: MFU not reported)
     seed: int = 1234  # model init and dropout seed
     eval_at_end: bool = True  # after training: held-out accuracy and a few generated answers
@@ -276,6 +277,7 @@ def _check_values(cfg: Config) -> None:
         "optim.schedule": (cfg.optim.schedule, {"cosine", "linear", "constant"}),
         "trainer.strategy": (cfg.trainer.strategy, {"auto", "ddp", "fsdp", "single"}),
         "trainer.logger": (cfg.trainer.logger, {"csv", "tensorboard", "none"}),
+        "trainer.compile": (cfg.trainer.compile, {"none", "blocks", "step"}),
     }
     for key, (value, allowed) in choices.items():
         if value not in allowed:
@@ -316,6 +318,16 @@ def _check_values(cfg: Config) -> None:
             "decoder is configured for (a pretrained one was trained up to its own value); lower data.max_tokens "
             "or raise model.language.max_position_embeddings"
         )
+    if cfg.trainer.compile == "step" and (
+        not cfg.data.static_shapes or cfg.data.packing != "packed" or cfg.trainer.strategy == "fsdp"
+    ):
+        raise ConfigError(
+            "trainer.compile=step compiles one graph for every step: it needs data.static_shapes=true and "
+            f"data.packing=packed (got {cfg.data.static_shapes} and {cfg.data.packing!r}), and does not run with "
+            f"trainer.strategy=fsdp (got {cfg.trainer.strategy!r}; use trainer.compile=blocks there)"
+        )
+    if cfg.data.static_shapes and cfg.data.packing != "packed":
+        raise ConfigError("data.static_shapes lays out packs: it needs data.packing=packed")
     if cfg.data.train_weights and len(cfg.data.train_weights) != len(cfg.data.train):
         raise ConfigError("data.train_weights must have one weight per data.train directory (or be empty)")
     if cfg.checkpoint.resume not in {"auto", "none"} and not cfg.checkpoint.resume:

@@ -4,14 +4,22 @@
 shape, so compiled kernels and memory stay steady), samples concatenated, the padding tail its own segment,
 positions restarting per segment, and each sample's first label set to -100 so the shifted loss never predicts
 across a sample boundary. ``collate_padded`` is the [B, L] layout of the padded baselines.
+
+With a ``StaticLayout`` (``data.static_shapes``) every tensor of every pack has one shape for the whole run, so one
+compiled graph (or one CUDA graph) serves every step: ``cu_seqlens`` has a fixed length, its unused tail repeating
+T (empty segments, which attend to nothing), ``max_seqlen`` is T, and ``pixel_values`` has a fixed number of image
+slots, the unused ones blank (encoded, but no placeholder reads them). The number of segments comes from the
+shortest sample of the run's datasets (``StaticLayout.for_lengths``), so no pack can hold more.
 """
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 
 from nanovlm.constants import IGNORE_INDEX
@@ -24,15 +32,45 @@ class _Sample(Protocol):  # structural view of processing.ProcessedSample
     pixel_values: torch.Tensor  # [n_img, 3, H, W] uint8
 
 
-def _pixels(samples: Sequence[_Sample], image_size: int) -> torch.Tensor:
+@dataclass(frozen=True)
+class StaticLayout:
+    """The fixed shapes of a static pack (see the module docstring)."""
+
+    segments: int  # entries of cu_seqlens minus one: the most samples a pack can hold, plus the padding tail
+    image_slots: int  # rows of pixel_values: the pack's image (or tile) budget, data.max_images
+    image_token_id: int  # the placeholder id, to check placeholders against images here (the model cannot: no
+    image_tokens: int  # host sync in a compiled step) ... and the placeholders per image
+
+    @classmethod
+    def for_lengths(
+        cls, lengths: np.ndarray, max_tokens: int, image_slots: int, image_token_id: int, image_tokens: int
+    ) -> StaticLayout:
+        """The layout for datasets whose samples have ``lengths`` [N] tokens (0 = empty: never packed)."""
+        positive = lengths[lengths > 0]
+        shortest = min(int(positive.min()), max_tokens) if positive.size else max_tokens
+        return cls(max_tokens // shortest + 1, image_slots, image_token_id, image_tokens)
+
+
+def _pixels(samples: Sequence[_Sample], image_size: int, slots: int = 0) -> torch.Tensor:
+    """[n_img, 3, H, W] uint8 in order of appearance; with ``slots`` > 0, exactly ``slots`` rows (blank tail)."""
     imgs = [s.pixel_values for s in samples if s.pixel_values.numel()]
+    n = sum(int(i.shape[0]) for i in imgs)
+    if slots and n > slots:
+        raise ValueError(f"pack of {n} images exceeds its {slots} image slots (data.max_images)")
+    if slots > n:
+        imgs.append(torch.zeros(slots - n, 3, image_size, image_size, dtype=torch.uint8))
     if not imgs:
         return torch.zeros(0, 3, image_size, image_size, dtype=torch.uint8)
     return torch.cat(imgs, 0)
 
 
 def collate_packed(
-    samples: Sequence[_Sample], max_tokens: int, pad_id: int, image_size: int, meta: dict[str, Any] | None = None
+    samples: Sequence[_Sample],
+    max_tokens: int,
+    pad_id: int,
+    image_size: int,
+    meta: dict[str, Any] | None = None,
+    static: StaticLayout | None = None,
 ) -> dict[str, Any]:
     """Pack ``samples`` into one [1, max_tokens] row. An empty list gives an all-padding, loss-free pack."""
     lens = [int(s.input_ids.numel()) for s in samples]
@@ -52,26 +90,53 @@ def collate_packed(
     # positions restart at 0 in every segment: slot index minus its segment's start
     position_ids = torch.arange(max_tokens) - starts.repeat_interleave(torch.tensor(seg_lens), output_size=max_tokens)
     cu = torch.tensor(seg, dtype=torch.int32)
-    pixel_values = _pixels(samples, image_size)
+    n_images = sum(int(s.pixel_values.shape[0]) for s in samples if s.pixel_values.numel())
+    pixel_values = _pixels(samples, image_size, static.image_slots if static else 0)
+    if static is not None:
+        cu = _static_cu_seqlens(cu, static, samples)
+        _check_placeholders(input_ids, n_images, static, samples)
     info = {
         "real_tokens": total,
         "seq_sq": sum(n * n for n in lens),  # sum of squared sample lengths: the attention FLOPs (MFU)
         "slots": max_tokens,
         "n_samples": len(samples),
-        "n_images": int(pixel_values.shape[0]),
+        "n_images": n_images,
         "loss_tokens": int((labels != IGNORE_INDEX).sum()),
     }
     info.update(meta or {})
-    return {
+    batch = {
         "input_ids": input_ids[None],  # [1, T]
         "labels": labels[None],  # [1, T]
         "position_ids": position_ids[None],  # [1, T]
-        "cu_seqlens": cu,  # [N(+1) + 1] int32
-        "max_seqlen": max(seg_lens, default=0),
-        "pixel_values": pixel_values,  # [n_img, 3, H, W] uint8
+        "cu_seqlens": cu,  # [N(+1) + 1] int32; static: [segments + 1]
+        "max_seqlen": max_tokens if static else max(seg_lens, default=0),
+        "pixel_values": pixel_values,  # [n_img, 3, H, W] uint8; static: [image_slots, 3, H, W]
         "sample_keys": [s.key for s in samples],
         "meta": info,
     }
+    if static is not None:
+        batch["static"] = True  # the model takes its static path (vlm.NanoVLM.forward)
+    return batch
+
+
+def _static_cu_seqlens(cu: torch.Tensor, static: StaticLayout, samples: Sequence[_Sample]) -> torch.Tensor:
+    """cu_seqlens [segments + 1]: the real boundaries, then T repeated (empty segments)."""
+    if cu.numel() > static.segments + 1:
+        raise ValueError(
+            f"pack of {len(samples)} samples needs {cu.numel() - 1} segments but the static layout has "
+            f"{static.segments}: a sample is shorter than any the index listed ({[s.key for s in samples]})"
+        )
+    return torch.cat([cu, cu[-1:].expand(static.segments + 1 - cu.numel())])
+
+
+def _check_placeholders(input_ids: torch.Tensor, n_images: int, static: StaticLayout, samples) -> None:
+    """Placeholders must match images: the static model path splices without checking (no host sync)."""
+    n = int((input_ids == static.image_token_id).sum())
+    if n != n_images * static.image_tokens:
+        raise ValueError(
+            f"pack has {n} image placeholder tokens but {n_images} images of {static.image_tokens} tokens each "
+            f"({[s.key for s in samples]})"
+        )
 
 
 def collate_padded(

@@ -24,6 +24,7 @@ from torch.utils.data import DataLoader
 
 from nanovlm.config import DataConfig, ModelConfig, image_token_count
 from nanovlm.data.accounting import DataCounters, SkipRateError
+from nanovlm.data.collate import StaticLayout
 from nanovlm.data.index import load_index
 from nanovlm.data.loader import make_loader
 from nanovlm.data.processing import SampleProcessor
@@ -89,6 +90,7 @@ class PackedMultimodalDataModule(L.LightningDataModule):
         self.table: SampleTable | None = None
         self.val_table: SampleTable | None = None
         self.shard_cache = None  # remote.ShardCache when a dataset is a URL
+        self.static: StaticLayout | None = None  # data.static_shapes: the packs' fixed shapes
         self.position = Position()
         self.counters = DataCounters()
         self._plan_cache: tuple[tuple, EpochPlan] | None = None
@@ -132,10 +134,20 @@ class PackedMultimodalDataModule(L.LightningDataModule):
                 self.val_table = self.val_table.head(self.cfg.val_samples)
             pad = self.tokenizer.pad_token_id
             self.pad_id = int(pad if pad is not None else 0)
+            self.static = self._static_layout() if self.cfg.static_shapes else None
         if self._pending_state is not None:
             state, self._pending_state = self._pending_state, None
             self.load_state_dict(state)
         self._planned_per_ds = None
+
+    def _static_layout(self) -> StaticLayout:
+        """One layout for training and validation packs: segments from the shortest sample of either."""
+        tables = [t for t in (self.table, self.val_table) if t is not None]
+        lengths = np.concatenate([t.length for t in tables])
+        p = self.processor
+        return StaticLayout.for_lengths(
+            lengths, self.spec.max_tokens, self.spec.max_images, p.image_token_id, p.image_token_count
+        )
 
     def _stream_spec(self, val: bool = False) -> StreamSpec:
         table = self.val_table if val else self.table
@@ -155,6 +167,7 @@ class PackedMultimodalDataModule(L.LightningDataModule):
             image_size=self.image_size,
             queue_size=self.cfg.queue_size,
             read_ahead=self.cfg.lookahead,
+            static=self.static,
             cache=self.shard_cache,
             prefetch_shards=self.cfg.prefetch_shards,
         )

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 from torch.utils.data import IterableDataset, get_worker_info
 
-from nanovlm.data.collate import collate_packed, collate_padded
+from nanovlm.data.collate import StaticLayout, collate_packed, collate_padded
 from nanovlm.data.format import SampleError
 from nanovlm.data.processing import SampleProcessor
 from nanovlm.data.producer import PackProducer, PlannedPack, Skip
@@ -52,6 +52,7 @@ class StreamSpec:
     image_size: int
     queue_size: int
     read_ahead: int
+    static: StaticLayout | None = None  # data.static_shapes: every pack laid out with these fixed shapes
     cache: ShardCache | None = None  # remote shards: staged here (remote.py)
     prefetch_shards: int = 2  # remote shards fetched ahead of the one being read; 0 = off
 
@@ -161,7 +162,7 @@ class PackStream(IterableDataset):
             if s.cache is not None:  # this worker's remote reading so far (retries, fetches, bytes)
                 meta["remote"] = s.cache.counters.snapshot()
             if s.spec.mode == "packed":
-                return collate_packed(samples, s.spec.max_tokens, s.pad_id, s.image_size, meta)
+                return collate_packed(samples, s.spec.max_tokens, s.pad_id, s.image_size, meta, s.static)
             return collate_padded(samples, s.pad_id, s.image_size, meta)
 
         def key_of(gid: int) -> str:

@@ -25,6 +25,10 @@ dims, packs of 1024 tokens, forward + backward: mask 54 / 53 / 46 / 49 ms vs loo
 2 / 4 / 8 / 32 segments, and the mask needs O(T^2) memory, so only the loop is kept.
 When all segments have the same length (the images of the vision encoder, a single sample) they run as one
 batched call with no loop at all.
+
+Static packs (``data.static_shapes``, for a compiled step) need attention whose graph does not depend on the
+segment lengths. flash_attn and torch_varlen take them as data already; on CPU the ``sdpa_masked`` kernel runs one
+SDPA call with a [T, T] same-segment causal mask (O(T^2) memory, so only where a static graph is wanted).
 """
 
 from __future__ import annotations
@@ -116,7 +120,7 @@ def resolve_backend(name: str, device: torch.device | str, dtype: torch.dtype) -
             raise BackendUnavailableError(f"attention backend '{name}' is unavailable: {reason}")
         chosen = name
     key = (name, device.type, str(dtype), chosen)
-    if key not in _logged:
+    if key not in _logged and not torch.compiler.is_compiling():  # a log call would split a compiled graph
         _logged.add(key)
         log.info("attention backend: %s (requested %s, %s, %s)", chosen, name, device.type, dtype)
     return chosen
@@ -170,6 +174,19 @@ def _sdpa_by_length(q, k, v, lengths: list[int], causal: bool) -> torch.Tensor:
     return q.new_zeros(total, heads, dim).index_copy(0, perm, torch.cat(outs, dim=0))
 
 
+def _sdpa_masked(q, k, v, cu_seqlens, max_seqlen, causal):
+    """One SDPA call over the whole row with a same-segment (and causal) mask: no lengths on the host."""
+    total, heads, _ = q.shape
+    pos = torch.arange(total, dtype=cu_seqlens.dtype, device=q.device)
+    seg = torch.searchsorted(cu_seqlens, pos, right=True)  # [T] segment of each token (empty segments own none)
+    mask = seg[:, None] == seg[None, :]  # [T, T] query x key
+    if causal:
+        mask = mask & (pos[None, :] <= pos[:, None])
+    q4, k4, v4 = (expand_kv(t, heads, 1).transpose(0, 1)[None] for t in (q, k, v))  # [1, H, T, D]
+    out = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=mask)
+    return out[0].transpose(0, 1)
+
+
 def _flash_attn(q, k, v, cu_seqlens, max_seqlen, causal):
     from flash_attn import flash_attn_varlen_func  # lazy: optional extra
 
@@ -197,7 +214,7 @@ def _torch_varlen(q, k, v, cu_seqlens, max_seqlen, causal):
     return fn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, **kwargs)
 
 
-_IMPLS = {"sdpa": _sdpa, "flash_attn": _flash_attn, "torch_varlen": _torch_varlen}
+_IMPLS = {"sdpa": _sdpa, "sdpa_masked": _sdpa_masked, "flash_attn": _flash_attn, "torch_varlen": _torch_varlen}
 
 
 def compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -222,8 +239,9 @@ def attention(
     q [T, Hq, D], k/v [T, Hkv, D], cu_seqlens int32 [N+1] (0, ..., T) on q's device, max_seqlen = longest
     segment. Returns [T, Hq, D]. Softmax scale is 1/sqrt(D).
 
-    ``kernel``: ``resolve_backend(backend, ...)`` done once by the caller (the model, for all its layers). A
-    compiled block then never runs the resolver, whose lazy import and log call would split its graph.
+    ``kernel``: ``resolve_backend(backend, ...)`` done once by the caller (the model, for all its layers), or
+    ``sdpa_masked``. A compiled block then never runs the resolver, whose lazy import and log call would split
+    its graph.
     """
     if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
         raise ValueError(f"attention expects THD tensors [tokens, heads, dim]; got q{tuple(q.shape)} k{tuple(k.shape)}")
@@ -235,6 +253,6 @@ def attention(
         )
     name = kernel if kernel is not None else resolve_backend(backend, q.device, q.dtype)
     max_seqlen = int(max_seqlen)
-    if backend == "auto" and (cu_seqlens.numel() - 1) * max_seqlen == q.shape[0]:
+    if backend == "auto" and name != "sdpa_masked" and (cu_seqlens.numel() - 1) * max_seqlen == q.shape[0]:
         name = "sdpa"  # equal segments: one batched SDPA call beats the varlen kernels (measured above)
     return _IMPLS[name](q, k, v, cu_seqlens, max_seqlen, causal)

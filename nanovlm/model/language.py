@@ -185,12 +185,14 @@ class LanguageModel(nn.Module):
         attention_mask: torch.Tensor | None = None,
         cache: KVCache | None = None,
         return_hidden: bool = False,
+        static: bool = False,
     ) -> torch.Tensor:
         """inputs_embeds [B, T, hidden], position_ids [B, T] -> logits [B, T, vocab].
 
         Give ``cu_seqlens``/``max_seqlen`` for a packed row, ``attention_mask`` [B, T] for padded rows, ``cache``
         for generation; with none of them each row is one causal sequence. ``return_hidden`` returns the final
         normed hidden states [B, T, hidden] instead, for a caller that applies ``lm_head`` to a few positions.
+        ``static``: a static pack (collate.StaticLayout), whose attention must not read segment lengths on the host.
         """
         dtypes = {inputs_embeds.dtype, compute_dtype(inputs_embeds)}  # the RoPE tables are cast to each once
         rope = Rotary(position_ids, self.head_dim, self.cfg.rope_theta, dtypes)
@@ -206,6 +208,8 @@ class LanguageModel(nn.Module):
         kernel = None  # packed rows: the attention backend, chosen once here rather than in every (compiled) layer
         if cu_seqlens is not None and cache is None:
             kernel = resolve_backend(self.attn_backend, x.device, compute_dtype(x))
+            if static and kernel == "sdpa":
+                kernel = "sdpa_masked"
         for i, layer in enumerate(self.layers):
             x = layer(
                 x,

@@ -94,13 +94,15 @@ class NanoVLM(nn.Module):
         mean and std are made once per device: building them from Python lists copies from pageable host memory,
         which on CUDA waits for every kernel already queued (twice per step). Not buffers: they stay fp32 when
         the model is cast to bf16, and out of checkpoints."""
-        dev = pixel_values.device
-        if dev not in self._pixel_stats:
-            v = self.cfg.vision
-            with torch.inference_mode(False):  # usable in training also when first made by generate()
-                stats = tuple(torch.tensor(c, device=dev).view(1, 3, 1, 1) for c in (v.image_mean, v.image_std))
-            self._pixel_stats[dev] = stats
-        mean, std = self._pixel_stats[dev]
+        dev, v = pixel_values.device, self.cfg.vision
+        if torch.compiler.is_compiling():  # constants of the graph (the cache would add a guard and a recompile)
+            mean, std = (torch.tensor(c, device=dev).view(1, 3, 1, 1) for c in (v.image_mean, v.image_std))
+        else:
+            if dev not in self._pixel_stats:
+                with torch.inference_mode(False):  # usable in training also when first made by generate()
+                    stats = tuple(torch.tensor(c, device=dev).view(1, 3, 1, 1) for c in (v.image_mean, v.image_std))
+                self._pixel_stats[dev] = stats
+            mean, std = self._pixel_stats[dev]
         x = (pixel_values.float() / 255.0 - mean) / std
         return x.to(self.vision.patch_embedding.weight.dtype)
 
@@ -110,13 +112,17 @@ class NanoVLM(nn.Module):
             raise TypeError(f"pixel_values must be uint8 (normalised on the device), got {pixel_values.dtype}")
         return self.projector(self.vision(self.normalize(pixel_values)))
 
-    def embed(self, input_ids: torch.Tensor, pixel_values: torch.Tensor | None, sample_names=None, cu_seqlens=None):
-        """Token embeddings [B, T, hidden] with the image placeholders replaced by projected image embeddings."""
+    def embed(
+        self, input_ids: torch.Tensor, pixel_values: torch.Tensor | None, sample_names=None, cu_seqlens=None, check=True
+    ):
+        """Token embeddings [B, T, hidden] with the image placeholders replaced by projected image embeddings.
+
+        ``check=False`` (static packs): no placeholder count (a host sync); the pack's maker checked it, and
+        ``pixel_values`` may hold blank slots after the real images, which no placeholder reads."""
         embeds = self.language.embed_tokens(input_ids)
         n_images = 0 if pixel_values is None else pixel_values.shape[0]
         is_image = input_ids == self.image_token_id
-        n_placeholders = int(is_image.sum())  # one host sync per step, the price of a clear error below
-        if n_placeholders != n_images * self.image_token_count:
+        if check and int(is_image.sum()) != n_images * self.image_token_count:  # a host sync: the clear error
             raise ValueError(self._mismatch_message(is_image, n_images, sample_names, cu_seqlens))
         if n_images:
             image_embeds = self.encode_images(pixel_values).to(embeds.dtype)  # [n, itc, hidden]
@@ -172,6 +178,9 @@ class NanoVLM(nn.Module):
         FLOPs (fp32 logits of every position of an 8192-token pack with a 49K vocabulary are 1.6 GB). The loss
         is the same up to float rounding (the head's GEMM sees fewer rows).
         """
+        if batch.get("static"):
+            keys = ("input_ids", "labels", "position_ids", "cu_seqlens", "pixel_values")
+            return self.static_forward(*(batch[k] for k in keys), return_logits=return_logits)
         input_ids = batch["input_ids"]
         cu_seqlens = batch.get("cu_seqlens")
         attention_mask = batch.get("attention_mask")
@@ -218,6 +227,43 @@ class NanoVLM(nn.Module):
         out["loss"] = loss_sum / n_loss_tokens.clamp(min=1)  # no host sync; 0 (with a graph) when n == 0
         out["n_loss_tokens"] = n_loss_tokens
         return out
+
+    def static_forward(
+        self,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor,
+        position_ids: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        pixel_values: torch.Tensor,
+        return_logits: bool = False,
+    ) -> dict:
+        """``forward`` of a static pack (collate.StaticLayout): tensors in, no host sync, one graph for every pack.
+
+        input_ids, labels, position_ids [1, T]; cu_seqlens [segments + 1]; pixel_values [slots, 3, H, W] uint8.
+        This is what ``trainer.compile=step`` compiles. Every image slot is encoded, and the LM head runs on all
+        T positions (a fixed-size loss buffer; positions without a loss target count 0), so the graph does not
+        depend on how many images or loss tokens a pack has. Same outputs as ``forward``.
+        """
+        embeds = self.embed(input_ids, pixel_values, check=False)
+        x = self.language(
+            embeds,
+            position_ids,
+            cu_seqlens=cu_seqlens,
+            max_seqlen=input_ids.shape[1],
+            return_hidden=not return_logits,
+            static=True,
+        )
+        target = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX).reshape(-1)  # [B * T]: t predicts label t + 1
+        if return_logits:
+            loss_sum = F.cross_entropy(
+                x.reshape(-1, x.shape[-1]).float(), target, ignore_index=IGNORE_INDEX, reduction="sum"
+            )
+        else:
+            hidden = x.reshape(-1, x.shape[-1])  # [B * T, hidden]
+            loss_sum = linear_cross_entropy(hidden, self.language.lm_head.weight, target, self.cfg.loss_chunk_rows)
+        n_loss_tokens = (target != IGNORE_INDEX).sum()
+        loss = loss_sum / n_loss_tokens.clamp(min=1)
+        return {"logits": x if return_logits else None, "loss": loss, "n_loss_tokens": n_loss_tokens}
 
     # ------------------------------------------------------------------------------------------------------
     # generation

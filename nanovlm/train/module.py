@@ -112,8 +112,11 @@ class VLMModule(pl.LightningModule):
         tcfg = self.cfg.trainer
         if tcfg.activation_checkpointing:
             strategies.apply_activation_checkpointing(self.model)
-        if tcfg.compile:
+        if tcfg.compile == "blocks":
             strategies.apply_compile(self.model)
+        elif tcfg.compile == "step":
+            device = self.trainer.strategy.root_device if self._trainer is not None else torch.device("cpu")
+            strategies.compile_step(self.model, device)
         if tcfg.strategy == "fsdp":
             device = self.trainer.strategy.root_device if self._trainer is not None else torch.device("cpu")
             strategies.shard_model(self.model, self.trainer.precision, device)
@@ -126,9 +129,11 @@ class VLMModule(pl.LightningModule):
         return self.model(batch, return_logits=False) if self.head_on_loss_positions else self.model(batch)
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        if self.cfg.trainer.compile == "step":
+            torch.compiler.cudagraph_mark_step_begin()  # a new step: CUDA graphs may reuse the last one's outputs
         out = self._loss_forward(batch)
         loss = out["loss"]
-        self.last_loss = loss.detach()
+        self.last_loss = loss.detach().clone()  # a copy: a CUDA graph's next replay overwrites its outputs
         self.log("loss", self.last_loss, prog_bar=True, logger=False)
         return loss
 

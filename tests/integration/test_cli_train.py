@@ -270,3 +270,19 @@ def test_fsdp_validation_with_an_image_less_pack_on_one_rank(tmp_path):
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     assert "[val] step 2: val/loss" in out
+
+
+@pytest.mark.slow
+def test_the_compiled_static_step_trains_like_eager_and_resumes(small_demo, tmp_path):
+    """``data.static_shapes=true trainer.compile=step`` through the CLI: the same packs, in the same order, with
+    the eager run's losses (fp32, inductor on CPU), and a resume from its own checkpoint continues exactly."""
+    extra = ["trainer.max_steps=4", "trainer.log_every_n_steps=1", "checkpoint.every_n_steps=2", "data.num_workers=0"]
+    run_train(small_demo, tmp_path / "eager", *extra)
+    compiled = ["data.static_shapes=true", "trainer.compile=step"]
+    run_train(small_demo, tmp_path / "step", *extra, *compiled, "trainer.max_steps=2")
+    out = run_train(small_demo, tmp_path / "step", *extra, *compiled)  # resumes at step 2
+    assert "[resume] from" in out
+    want, got = steps(tmp_path / "eager"), steps(tmp_path / "step")
+    assert [r[:3] for r in got] == [r[:3] for r in want] and len(got) == 4
+    for (*_, a), (*_, b) in zip(want, got):
+        assert abs(a - b) <= 1e-4 * abs(a), (a, b)

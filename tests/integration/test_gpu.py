@@ -182,7 +182,7 @@ def test_training_forward_with_the_head_on_loss_positions_matches_the_full_head_
 
 
 def test_compiled_blocks_run_as_one_graph_each_and_match_eager():
-    """``trainer.compile``: the backend is resolved outside the blocks, so no block splits into several graphs."""
+    """``trainer.compile=blocks``: the backend is resolved outside the blocks, so no block splits into several graphs."""
     from torch._dynamo.utils import counters
 
     from nanovlm.train.strategies import apply_compile
@@ -200,3 +200,41 @@ def test_compiled_blocks_run_as_one_graph_each_and_match_eager():
         losses.append(float(loss))
     assert not counters["graph_break"], dict(counters["graph_break"])
     assert abs(losses[1] - losses[0]) < 1e-2 * losses[0] and abs(losses[2] - losses[1]) < 1e-6 * losses[1]
+
+
+def static_batch(lengths, images, segments=8, slots=4):
+    """``packed_batch`` with the static layout ``collate_packed`` gives under ``data.static_shapes``."""
+    batch = packed_batch(lengths, images)
+    cu, pixels = batch["cu_seqlens"], batch["pixel_values"]
+    total = int(cu[-1])
+    batch["cu_seqlens"] = torch.cat([cu, cu.new_full((segments + 1 - cu.numel(),), total)])
+    batch["pixel_values"] = torch.cat([pixels, pixels.new_zeros((slots - len(pixels), *pixels.shape[1:]))])
+    return {**batch, "max_seqlen": total, "static": True}
+
+
+def test_the_compiled_step_replays_as_a_cuda_graph_and_matches_eager():
+    """``trainer.compile=step`` on CUDA (``reduce-overhead``): packs of different mixes with one static shape
+    compile once and give the eager loss (bf16 tolerance) and gradients."""
+    from torch._dynamo.utils import counters
+
+    from nanovlm.train.strategies import compile_step
+
+    eager, compiled = tiny_gpu_model(), tiny_gpu_model()
+    compile_step(compiled, torch.device("cuda"))
+    counters.clear()
+    packs = [([70, 23, 150, 41, 9, 219], [1, 0, 2, 1, 0, 0]), ([300, 100, 112], [3, 0, 1]), ([256, 256], [0, 0])]
+    for lengths, images in packs * 2:
+        batch = static_batch(lengths, images)
+        losses = []
+        for model in (eager, compiled):
+            torch.compiler.cudagraph_mark_step_begin()
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = model(batch, return_logits=False)["loss"]
+            loss.backward()
+            losses.append(float(loss))
+        assert abs(losses[1] - losses[0]) < 1e-2 * losses[0], losses
+        for (name, a), (_, b) in zip(eager.named_parameters(), compiled.named_parameters()):
+            assert (a.grad - b.grad).norm() <= 5e-2 * a.grad.norm() + 1e-5, name
+            a.grad, b.grad = None, None
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+    assert not counters["graph_break"], dict(counters["graph_break"])

@@ -176,7 +176,7 @@ def _(q, k, v, cu, causal):
 
 
 def test_a_compiled_block_with_the_varlen_kernel_is_one_graph(monkeypatch):
-    """trainer.compile on CUDA: the kernel path inside a block must not split the graph (the backend resolver's
+    """trainer.compile=blocks on CUDA: the kernel path inside a block must not split the graph (the backend resolver's
     lazy import and log call did, about five graphs per block, until the model resolved it outside the blocks).
     CUDA's kernel is stood in by a traceable CPU op with torch 2.13's signature, found by the real lookup."""
     from torch._dynamo.utils import counters

@@ -1,4 +1,4 @@
-"""Activation checkpointing and ``trainer.compile`` keep parameter names (so checkpoints) and the eager numbers."""
+"""Activation checkpointing and ``trainer.compile=blocks`` keep parameter names (so checkpoints) and the eager numbers."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ def test_activation_checkpointing_keeps_names_and_gradients(tmp_path):
 
 @pytest.mark.slow
 def test_compiled_blocks_keep_names_and_match_eager(tmp_path):
-    """``trainer.compile``: each block is compiled in place; names (so checkpoints) and the packed loss and
+    """``trainer.compile=blocks``: each block is compiled in place; names (so checkpoints) and the packed loss and
     gradients stay those of the eager model (the CPU sdpa path, with its per-segment loop as graph breaks)."""
     from nanovlm.train.strategies import apply_compile
 
