@@ -75,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--compile",
         action="store_true",
-        help="torch.compile each transformer block (trainer.compile) in the train section",
+        help="torch.compile each transformer block (trainer.compile=blocks) in the train section",
     )
     p.add_argument(
         "--scale-sizes", default="", help="scale section: index sizes, e.g. 1M,10M,100M (default; 100k with --quick)"
