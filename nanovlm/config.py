@@ -184,6 +184,10 @@ class CheckpointConfig:
     # A new stage from a finished one: model weights from this checkpoint file when the run starts fresh (new
     # optimizer, step 0, new data stream); ignored once the run has checkpoints of its own to resume.
     init_from: str = ""
+    # full: one file of gathered tensors, written by rank 0 (portable; fine up to a few billion parameters).
+    # sharded: a directory where every rank writes its own shards (torch.distributed.checkpoint); trainer.strategy
+    # =fsdp only; resumes on any world size.
+    format: str = "full"
 
 
 @dataclass
@@ -278,6 +282,7 @@ def _check_values(cfg: Config) -> None:
         "trainer.strategy": (cfg.trainer.strategy, {"auto", "ddp", "fsdp", "single"}),
         "trainer.logger": (cfg.trainer.logger, {"csv", "tensorboard", "none"}),
         "trainer.compile": (cfg.trainer.compile, {"none", "blocks", "step"}),
+        "checkpoint.format": (cfg.checkpoint.format, {"full", "sharded"}),
     }
     for key, (value, allowed) in choices.items():
         if value not in allowed:
@@ -325,6 +330,11 @@ def _check_values(cfg: Config) -> None:
             "trainer.compile=step compiles one graph for every step: it needs data.static_shapes=true and "
             f"data.packing=packed (got {cfg.data.static_shapes} and {cfg.data.packing!r}), and does not run with "
             f"trainer.strategy=fsdp (got {cfg.trainer.strategy!r}; use trainer.compile=blocks there)"
+        )
+    if cfg.checkpoint.format == "sharded" and cfg.trainer.strategy != "fsdp":
+        raise ConfigError(
+            f"checkpoint.format=sharded writes each rank's FSDP shards: it needs trainer.strategy=fsdp (got "
+            f"{cfg.trainer.strategy!r}; other strategies hold the whole model on every rank and write one file)"
         )
     if cfg.data.static_shapes and cfg.data.packing != "packed":
         raise ConfigError("data.static_shapes lays out packs: it needs data.packing=packed")

@@ -3,7 +3,8 @@
 A checkpoint is Lightning's checkpoint dict (model, optimizer, loop progress incl. the step, callbacks), plus
 the DataModule state of every rank (saved by Lightning from ``datamodule.state_dict()``) and the RNG states
 of every rank (``VLMModule.on_save_checkpoint``). The learning rate is a pure function of the step, so no
-scheduler state is needed. Files are named ``step-00000200.ckpt`` in ``checkpoint.dir``.
+scheduler state is needed. Checkpoints are named ``step-00000200.ckpt`` in ``checkpoint.dir``: a file, or with
+``checkpoint.format=sharded`` a directory of per-rank shards (``sharded.py``); every reader here takes both.
 
 Atomicity: the file is written to ``<name>.tmp`` in the same directory, fsynced, then ``os.replace``d over the
 final name and the directory fsynced, so a crash (or ``kill -9``) mid-save leaves the previous checkpoints
@@ -28,6 +29,7 @@ from lightning.pytorch.callbacks import Checkpoint
 
 from nanovlm.config import Config
 from nanovlm.dist import any_rank
+from nanovlm.train import sharded
 
 log = logging.getLogger(__name__)
 
@@ -46,8 +48,15 @@ def checkpoint_step(path: str | os.PathLike) -> int:
     """The step of a checkpoint: from its name when it is ``step-N.ckpt``, else read from the file."""
     if m := CKPT_RE.match(Path(path).name):
         return int(m.group(1))
-    ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    ckpt = (
+        sharded.read_meta(path) if sharded.is_sharded(path) else torch.load(path, "cpu", weights_only=True, mmap=True)
+    )
     return int(ckpt.get("global_step", 0))
+
+
+def is_checkpoint(path: str | os.PathLike) -> bool:
+    """A complete checkpoint of either format (a save in progress is a ``.tmp`` beside it)."""
+    return Path(path).is_file() or sharded.is_sharded(path)
 
 
 def list_checkpoints(directory: str | os.PathLike) -> list[tuple[int, Path]]:
@@ -55,7 +64,7 @@ def list_checkpoints(directory: str | os.PathLike) -> list[tuple[int, Path]]:
     d = Path(directory)
     if not d.is_dir():
         return []
-    found = [(int(m.group(1)), d / p.name) for p in d.iterdir() if (m := CKPT_RE.match(p.name)) and p.is_file()]
+    found = [(int(m.group(1)), d / p.name) for p in d.iterdir() if (m := CKPT_RE.match(p.name)) and is_checkpoint(p)]
     return sorted(found)
 
 
@@ -73,9 +82,18 @@ def resolve_resume(cfg: Config) -> Path | None:
     if mode == "auto":
         return latest_checkpoint(checkpoint_dir(cfg))
     path = Path(mode)
-    if not path.is_file():
-        raise FileNotFoundError(f"checkpoint.resume={mode!r}: no such checkpoint file")
+    if not is_checkpoint(path):
+        raise FileNotFoundError(f"checkpoint.resume={mode!r}: no such checkpoint (file or sharded directory)")
     return path
+
+
+def check_resume_strategy(path: Path | None, strategy: str) -> None:
+    """A sharded checkpoint holds FSDP shards and a name-keyed sharded optimizer state: only FSDP resumes it."""
+    if path is not None and sharded.is_sharded(path) and strategy != "fsdp":
+        raise CheckpointModelMismatchError(
+            f"{path} is a sharded checkpoint (checkpoint.format=sharded): resume it with trainer.strategy=fsdp (on "
+            "any number of processes), or start a new run from its weights with checkpoint.init_from"
+        )
 
 
 class RunDirConflictError(RuntimeError):
@@ -136,31 +154,41 @@ def check_checkpoint_fits(path: Path, expected: dict[str, Any]) -> None:
     """Check the model tensors of the checkpoint to resume from against the model, before training starts.
 
     One place for every strategy (Lightning's DDP/single path and ModelParallelStrategy load the weights at
-    different points). The file is memory-mapped, so only names and shapes are read. A file torch cannot read is
-    left to the real load, which reports it.
+    different points). Only names and shapes are read (the file is memory-mapped; a sharded checkpoint's come from
+    its metadata). A checkpoint torch cannot read is left to the real load, which reports it.
     """
     try:
-        ckpt = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+        if sharded.is_sharded(path):
+            saved: dict[str, Any] = {k: torch.empty(s, device="meta") for k, s in sharded.weight_shapes(path).items()}
+        else:
+            saved = torch.load(path, map_location="cpu", mmap=True, weights_only=True).get("state_dict") or {}
     except Exception:
         return
-    if ckpt.get("state_dict"):
-        check_model_tensors(ckpt["state_dict"], expected)
+    if saved:
+        check_model_tensors(saved, expected)
+
+
+def read_weights(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """The model state dict of a checkpoint of either format, on the CPU ({} when it holds none)."""
+    if sharded.is_sharded(path):
+        return sharded.read_sharded_weights(path)
+    return torch.load(path, map_location="cpu", mmap=True, weights_only=True).get("state_dict") or {}
 
 
 def load_weights(path: str | Path, module: torch.nn.Module) -> None:
     """``checkpoint.init_from``: the model weights of a checkpoint file into ``module`` (nothing else: no
     optimizer state, step or data position), after the same fit check as a resume."""
     path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"checkpoint.init_from={str(path)!r}: no such checkpoint file")
-    saved = torch.load(path, map_location="cpu", mmap=True, weights_only=True).get("state_dict")
+    if not is_checkpoint(path):
+        raise FileNotFoundError(f"checkpoint.init_from={str(path)!r}: no such checkpoint (file or sharded directory)")
+    saved = read_weights(path)
     if not saved:
         raise CheckpointModelMismatchError(f"checkpoint.init_from={str(path)!r} holds no model weights (state_dict)")
     check_model_tensors(saved, module.state_dict())
     module.load_state_dict(saved)
 
 
-def _fsync_dir(directory: Path) -> None:
+def fsync_dir(directory: Path) -> None:
     try:
         fd = os.open(directory, os.O_RDONLY)
     except OSError:  # some filesystems do not allow opening directories
@@ -190,7 +218,7 @@ class AtomicCheckpointIO(CheckpointIO):
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, path)
-            _fsync_dir(path.parent)
+            fsync_dir(path.parent)
         except (OSError, RuntimeError) as e:
             if tmp.is_file():
                 tmp.unlink(missing_ok=True)
@@ -264,7 +292,7 @@ class PeriodicCheckpoint(Checkpoint):
         self.last_saved, self.last_saved_step = path, trainer.global_step
         if trainer.is_global_zero:
             for _, old in list_checkpoints(self.dir)[: -self.keep_last]:
-                old.unlink(missing_ok=True)
+                sharded.remove(old)
         return path
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs, batch, batch_idx) -> None:

@@ -22,6 +22,7 @@ from nanovlm.train.checkpoint import (
     PeriodicCheckpoint,
     check_checkpoint_fits,
     check_no_later_checkpoints,
+    check_resume_strategy,
     checkpoint_dir,
     checkpoint_step,
     load_weights,
@@ -123,7 +124,7 @@ def build_trainer(
         accelerator=strategies.resolve_accelerator(t),
         devices=devices,
         num_nodes=num_nodes,
-        strategy=strategies.build_strategy(t),
+        strategy=strategies.build_strategy(t, cfg.checkpoint.format),
         precision=strategies.resolve_precision(t),
         max_steps=t.max_steps,
         max_epochs=-1,
@@ -175,6 +176,7 @@ def train(
     if module is None:
         module = VLMModule(cfg, datamodule.tokenizer)
     resume = resolve_resume(cfg)
+    check_resume_strategy(resume, cfg.trainer.strategy)
     resume_step = checkpoint_step(resume) if resume is not None else 0
     check_no_later_checkpoints(cfg, resume, resume_step)
     trainer, ckpt, telemetry = build_trainer(cfg, config_files, resume_step)

@@ -4,9 +4,10 @@
 - ``ddp``: ``DDPStrategy`` (gloo on CPU, NCCL on GPU). Every rank holds the full model.
 - ``fsdp``: FSDP2 through Lightning's ``ModelParallelStrategy``. The LightningModule calls ``shard_model`` in
   ``configure_model``, which applies ``fully_shard`` to every transformer block and then to the root module
-  over a 1-D data-parallel mesh of all ranks. Checkpoints are written as one *full* (gathered) state dict by
-  rank 0 (``save_distributed_checkpoint=False``): simple, portable between world sizes, and exact on resume;
-  fine for models up to a few billion parameters.
+  over a 1-D data-parallel mesh of all ranks. Checkpoints are by default one *full* (gathered) state dict
+  written by rank 0: simple, portable, and exact on resume; fine for models up to a few billion parameters.
+  ``checkpoint.format=sharded`` has every rank write its own shards instead (``ShardedCheckpointStrategy``,
+  see ``sharded.py``).
 
 Works the same under ``python scripts/train.py`` (Lightning launches the local processes), ``torchrun`` and
 SLURM ``srun`` (Lightning reads the rank from the environment).
@@ -16,12 +17,16 @@ from __future__ import annotations
 
 import os
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
+from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
 
 from nanovlm.config import TrainerConfig
+from nanovlm.train import sharded
+from nanovlm.train.checkpoint import CheckpointWriteError, fsync_dir
 
 DIST_TIMEOUT = timedelta(minutes=30)
 
@@ -40,8 +45,8 @@ def resolve_precision(cfg: TrainerConfig) -> str:
     return "bf16-mixed" if resolve_accelerator(cfg) == "gpu" else "32-true"
 
 
-def build_strategy(cfg: TrainerConfig) -> Any:
-    """A Lightning strategy object (or the string 'auto') for ``trainer.strategy``."""
+def build_strategy(cfg: TrainerConfig, checkpoint_format: str = "full") -> Any:
+    """A Lightning strategy object (or the string 'auto') for ``trainer.strategy`` and ``checkpoint.format``."""
     if cfg.strategy in ("auto", "single"):
         return "auto"
     if cfg.strategy == "ddp":
@@ -49,9 +54,9 @@ def build_strategy(cfg: TrainerConfig) -> Any:
 
         # find_unused_parameters=False: every part gets a gradient (frozen parts have requires_grad=False).
         return DDPStrategy(find_unused_parameters=False, timeout=DIST_TIMEOUT)
+    if cfg.strategy == "fsdp" and checkpoint_format == "sharded":
+        return ShardedCheckpointStrategy(timeout=DIST_TIMEOUT)
     if cfg.strategy == "fsdp":
-        from lightning.pytorch.strategies import ModelParallelStrategy
-
         return ModelParallelStrategy(save_distributed_checkpoint=False, timeout=DIST_TIMEOUT)
     raise ValueError(f"unknown trainer.strategy {cfg.strategy!r}; choose auto, single, ddp or fsdp")
 
@@ -132,3 +137,43 @@ def launcher_topology(devices: Any, num_nodes: int) -> tuple[Any, int]:
             flush=True,
         )
     return per_node, nodes
+
+
+class ShardedCheckpointStrategy(ModelParallelStrategy):
+    """FSDP2 (Lightning's ``ModelParallelStrategy``) whose checkpoints are sharded directories, written
+    atomically and read through ``sharded``'s safe reader (onto any world size). A full checkpoint file still
+    loads (Lightning's loader, ``weights_only``), so a run can switch to sharded checkpoints mid-way."""
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        path = Path(self.broadcast(str(checkpoint_path)))
+        if not sharded.is_sharded(path):
+            return super().load_checkpoint(path, weights_only=weights_only)
+        strict = self.lightning_module.strict_loading
+        sharded.load_model_and_optimizers(path, self.model, self.optimizers, strict=strict)
+        return sharded.read_meta(path)  # step, loops, DataModule and RNG states
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(save_distributed_checkpoint=True, **kwargs)
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        path = Path(self.broadcast(str(filepath)))
+        tmp = path.with_name(path.name + ".tmp")
+        if self.global_rank == 0 and tmp.exists():  # left by a killed save
+            sharded.remove(tmp)
+        self.barrier("sharded-save-start")
+        try:
+            super().save_checkpoint(checkpoint, tmp, storage_options)
+        except (OSError, RuntimeError) as e:
+            raise CheckpointWriteError(
+                f"could not write sharded checkpoint {path}: {e}. Earlier checkpoints in {path.parent} are kept."
+            ) from e
+        self.barrier("sharded-save-written")  # every rank's shards, DCP's .metadata and meta.pt are in tmp
+        if self.global_rank == 0:
+            with open(tmp / sharded.META_FILE, "rb") as f:  # DCP syncs its own files; torch.save does not
+                os.fsync(f.fileno())
+            fsync_dir(tmp)
+            if path.exists():  # the same step saved again (a rerun at the final step)
+                sharded.remove(path)
+            os.replace(tmp, path)
+            fsync_dir(path.parent)
+        self.barrier("sharded-save-done")

@@ -11,7 +11,7 @@ import torch
 
 from helpers import REPO
 from helpers.training import MICRO_MODEL
-from nanovlm.train.checkpoint import checkpoint_name
+from nanovlm.train.checkpoint import checkpoint_name, read_weights
 
 TIMEOUT = 300
 
@@ -53,4 +53,5 @@ def steps(run_dir: Path, rank: int = 0) -> list[tuple]:
 
 
 def final_weights(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
-    return torch.load(run_dir / "checkpoints" / checkpoint_name(step), weights_only=True)["state_dict"]
+    """The model weights of the run's checkpoint at ``step``, a file or a sharded directory."""
+    return read_weights(run_dir / "checkpoints" / checkpoint_name(step))

@@ -4,7 +4,8 @@ For each setting an uninterrupted run of N steps is compared with a run stopped 
 (``trainer.stop_at_step``, the same path a SIGTERM takes) and resumed to N: the per-micro-batch sample keys
 and losses in steps.jsonl (every rank) must be identical, bitwise, and so must the final weights.
 Settings: single process with DataLoader workers, gradient accumulation; DDP with 2 processes; FSDP2 with 2
-processes (gloo); and a ``kill -9`` mid-run followed by a rerun that resumes from the last checkpoint.
+processes (gloo) from a sharded checkpoint, and onto 3 processes; and a ``kill -9`` mid-run followed by a rerun
+that resumes from the last checkpoint.
 """
 
 from __future__ import annotations
@@ -31,7 +32,10 @@ def assert_same_run(full: Path, resumed: Path, n_micro: int, ranks: int, final_s
         assert [r[0] for r in a] == list(range(n_micro))
         assert b == a, f"rank {rank}: resumed run differs from the uninterrupted one"
         assert all(r[2] for r in a), "every micro-batch trained some samples"
-    wa, wb = final_weights(full, final_step), final_weights(resumed, final_step)
+    assert_same_weights(final_weights(full, final_step), final_weights(resumed, final_step))
+
+
+def assert_same_weights(wa: dict[str, torch.Tensor], wb: dict[str, torch.Tensor]) -> None:
     assert wa.keys() == wb.keys()
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
 
@@ -86,24 +90,63 @@ def ddp_runs(small_demo, tmp_path_factory) -> tuple[Path, Path]:
     return full, stopped
 
 
+@pytest.fixture(scope="module")
+def fsdp_runs(small_demo, tmp_path_factory) -> tuple[Path, Path]:
+    """An uninterrupted 5-step FSDP run (full checkpoints, one at step 2 too), and one stopped at step 2 that
+    writes sharded ones."""
+    full, stopped = tmp_path_factory.mktemp("fsdp_full"), tmp_path_factory.mktemp("fsdp_stopped")
+    run_train(small_demo, full, *two_processes("fsdp"), "checkpoint.every_n_steps=2", "checkpoint.keep_last=3")
+    out = run_train(small_demo, stopped, "trainer.stop_at_step=2", *two_processes("fsdp"), *SHARDED)
+    assert "trainer.stop_at_step reached: saved" in out
+    ckpt = stopped / "checkpoints" / checkpoint_name(2)
+    assert sorted(p.name for p in ckpt.iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp", "meta.pt"]
+    return full, stopped
+
+
+SHARDED = ["checkpoint.format=sharded"]
+
+
 @pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_exact_resume_two_processes(small_demo, tmp_path, strategy, request):
-    extra = two_processes(strategy)
-    if strategy == "ddp":  # the DDP runs are shared with the DDP -> FSDP test
-        full, stopped = request.getfixturevalue("ddp_runs")
-        shutil.copytree(stopped, tmp_path / "resumed")
-        out = run_train(small_demo, tmp_path / "resumed", *extra)
-        assert f"[resume] from {tmp_path / 'resumed' / 'checkpoints' / checkpoint_name(2)}" in out
-    else:
-        full = tmp_path / "full"
-        run_train(small_demo, full, *extra)
-        interrupted_then_resumed(small_demo, tmp_path / "resumed", 2, *extra)
+    """DDP from a full checkpoint; FSDP from a sharded one (each rank wrote its shards), compared with an
+    uninterrupted run that wrote full ones: the two formats hold the same state."""
+    full, stopped = request.getfixturevalue(f"{strategy}_runs")  # shared with the tests below
+    shutil.copytree(stopped, tmp_path / "resumed")
+    out = run_train(
+        small_demo, tmp_path / "resumed", *two_processes(strategy), *(SHARDED if strategy == "fsdp" else [])
+    )
+    assert f"[resume] from {tmp_path / 'resumed' / 'checkpoints' / checkpoint_name(2)}" in out
     assert_same_run(full, tmp_path / "resumed", n_micro=5, ranks=2, final_step=5)
     # the two ranks trained different samples
     a0, a1 = steps(full, 0), steps(full, 1)
     assert not set(k for r in a0 for k in r[2]) & set(k for r in a1 for k in r[2])
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_sharded_checkpoint_of_two_ranks_resumes_on_three(small_demo, fsdp_runs, tmp_path):
+    """Elastic resume: a sharded checkpoint written by 2 ranks resumes on 3 (DCP reshards model and optimizer
+    state on load). The reference is the same step's full checkpoint resumed on 3 ranks through the other
+    loader (rank 0 reads the file and scatters): every step's samples and loss, on every rank, and the final
+    weights must be identical, and no sample is trained twice."""
+    full, stopped = fsdp_runs
+    by_full = tmp_path / "from_full" / "checkpoints"
+    by_full.mkdir(parents=True)
+    shutil.copy(full / "checkpoints" / checkpoint_name(2), by_full)
+    by_sharded = shutil.copytree(stopped, tmp_path / "from_sharded")
+    three = [*two_processes("fsdp"), "trainer.devices=3"]
+    run_train(small_demo, by_full.parent, *three)
+    out = run_train(small_demo, by_sharded, *three, *SHARDED)
+    assert "[resume] from" in out and "checkpoint has RNG states of 2 ranks, this run has 3" in out
+    for rank in (0, 1, 2):
+        want = steps(by_full.parent, rank)
+        assert [r[1] for r in want] == [3, 4, 5] and [r for r in steps(by_sharded, rank) if r[1] > 2] == want
+    assert_same_weights(final_weights(by_full.parent, 5), final_weights(by_sharded, 5))
+    before = [k for rank in (0, 1) for r in steps(by_sharded, rank) if r[1] <= 2 for k in r[2]]
+    after = [k for rank in (0, 1, 2) for r in steps(by_sharded, rank) if r[1] > 2 for k in r[2]]
+    assert before and len(after) > len(before) and len(set(before + after)) == len(before) + len(after)
 
 
 @pytest.mark.slow

@@ -143,3 +143,86 @@ def test_training_code_has_no_unsafe_deserialization():
                 if "weights_only=True" not in m.group(1) and not m.group(1).strip().startswith("weights_only"):
                     offenders.append(f"{path.relative_to(root.parent)}: torch.load({m.group(1)})")
     assert offenders == []
+
+
+# ----------------------------------------------------------------------------------------------------------
+# sharded checkpoints (checkpoint.format=sharded): what single-process code reads from the directory
+
+
+def _write_sharded(path, weights: dict[str, torch.Tensor], step: int) -> None:
+    """A sharded checkpoint as ShardedCheckpointStrategy leaves it (DCP files + Lightning's meta.pt), written
+    by one process (the multi-process writes are in integration/test_resume.py)."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save({"state_dict": weights}, checkpoint_id=str(path), no_dist=True)
+    torch.save({"global_step": step}, path / "meta.pt")
+
+
+def test_sharded_checkpoints_are_listed_read_checked_and_pruned(tmp_path):
+    from nanovlm.train.checkpoint import (
+        CheckpointModelMismatchError,
+        check_checkpoint_fits,
+        check_resume_strategy,
+        checkpoint_step,
+        load_weights,
+        read_weights,
+    )
+    from nanovlm.train.sharded import remove
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 3))
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    ck = tmp_path / "checkpoints"
+    _write_sharded(ck / checkpoint_name(7), weights, 7)
+    (ck / (checkpoint_name(9) + ".tmp")).mkdir()  # a save killed half way: never listed
+    (ck / checkpoint_name(8)).mkdir()  # a directory without the metadata: not a checkpoint
+    assert list_checkpoints(ck) == [(7, ck / checkpoint_name(7))]
+    assert checkpoint_step(ck / checkpoint_name(7)) == 7
+    got = read_weights(ck / checkpoint_name(7))
+    assert got.keys() == weights.keys() and all(torch.equal(got[k], weights[k]) for k in weights)
+    check_checkpoint_fits(ck / checkpoint_name(7), model.state_dict())  # names and shapes match: no error
+    other = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 5))
+    with pytest.raises(CheckpointModelMismatchError, match=r"1\.weight \(3, 8\) vs \(5, 8\)"):
+        check_checkpoint_fits(ck / checkpoint_name(7), other.state_dict())
+    fresh = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 3))
+    load_weights(ck / checkpoint_name(7), fresh)  # checkpoint.init_from: the weights alone
+    assert all(torch.equal(fresh.state_dict()[k], weights[k]) for k in weights)
+    check_resume_strategy(ck / checkpoint_name(7), "fsdp")
+    with pytest.raises(CheckpointModelMismatchError, match="trainer.strategy=fsdp"):
+        check_resume_strategy(ck / checkpoint_name(7), "ddp")
+    remove(ck / checkpoint_name(7))
+    assert list_checkpoints(ck) == []
+
+
+def test_sharded_format_needs_fsdp():
+    from nanovlm.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="checkpoint.format=sharded .* needs trainer.strategy=fsdp"):
+        load_config([], ["checkpoint.format=sharded", "trainer.strategy=ddp"])
+    assert load_config([], ["checkpoint.format=sharded", "trainer.strategy=fsdp"]).checkpoint.format == "sharded"
+
+
+def test_a_sharded_checkpoint_with_code_in_it_is_refused(tmp_path):
+    """DCP itself unpickles ``.metadata`` and non-tensor items without restriction: the control shows a planted
+    object runs under DCP's own reader; ours refuses both places (metadata and a bytes item) and runs nothing."""
+    import torch.distributed.checkpoint as dcp
+    from helpers.faults import _CreatesFile
+
+    from nanovlm.train.sharded import read_sharded_weights, safe_load
+
+    marker = tmp_path / "pwned"
+    path = tmp_path / checkpoint_name(1)
+    weights = {"w": torch.arange(4.0)}
+    dcp.save({"state_dict": weights, "x": _CreatesFile(marker)}, checkpoint_id=str(path), no_dist=True)
+    torch.save({"global_step": 1}, path / "meta.pt")
+    dcp.load({"x": None}, checkpoint_id=str(path), no_dist=True)  # control: DCP's own load runs the payload
+    assert marker.exists()
+    marker.unlink()
+    with pytest.raises(pickle.UnpicklingError, match="Weights only load failed"):
+        safe_load({"x": None}, path, no_dist=True)
+    assert not marker.exists()
+    assert torch.equal(read_sharded_weights(path)["w"], weights["w"])  # the tensors alone read fine
+    (path / ".metadata").write_bytes(pickle.dumps(_CreatesFile(marker)))
+    with pytest.raises(pickle.UnpicklingError, match="refused"):
+        read_sharded_weights(path)
+    assert not marker.exists()
