@@ -76,6 +76,7 @@ class ModelConfig:
     attn_backend: str = "auto"  # auto | flash_attn | torch_varlen | sdpa
     init_std: float = 0.02  # std of the normal init of linear and token weights (see NanoVLM.init_weights)
     loss_chunk_rows: int = 0  # LM head + cross-entropy this many loss rows at a time (no [N, vocab] logits); 0 = off
+    loss_kernel: str = "auto"  # auto | torch | liger (Liger's fused head + loss on CUDA: pip install -e .[liger])
     vision_checkpoint: str | None = None  # transformers SigLIP checkpoint (hub id or dir) to load; None = random
     language_checkpoint: str | None = None  # transformers Llama/SmolLM2 checkpoint to load; None = random
     vlm_checkpoint: str | None = None  # transformers Idefics3/SmolVLM checkpoint: every weight (not with the two above)
@@ -271,9 +272,12 @@ def _type_name(key: str) -> str:
 def _check_values(cfg: Config) -> None:
     """Semantic checks that types alone cannot express (choices, divisibility)."""
     from nanovlm.data.chat import CHAT_FORMATS  # here: the data package loads transformers
+    from nanovlm.model.attention import BACKENDS
+    from nanovlm.model.loss import LOSS_KERNELS
 
     choices = {
-        "model.attn_backend": (cfg.model.attn_backend, {"auto", "flash_attn", "torch_varlen", "sdpa"}),
+        "model.attn_backend": (cfg.model.attn_backend, set(BACKENDS)),
+        "model.loss_kernel": (cfg.model.loss_kernel, set(LOSS_KERNELS)),
         "data.overlength": (cfg.data.overlength, {"drop", "truncate"}),
         "data.packing": (cfg.data.packing, {"packed", "pad_to_longest", "constrained"}),
         "data.image_resize": (cfg.data.image_resize, {"squash", "letterbox"}),

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from nanovlm.config import ModelConfig, image_token_count
 from nanovlm.constants import IGNORE_INDEX
 from nanovlm.model.language import KVCache, LanguageModel, RMSNorm
-from nanovlm.model.loss import linear_cross_entropy
+from nanovlm.model.loss import linear_cross_entropy, resolve_loss_kernel
 from nanovlm.model.projector import Projector
 from nanovlm.model.vision import VisionEncoder
 
@@ -222,11 +222,17 @@ class NanoVLM(nn.Module):
         else:  # the head on the loss positions only: [N, hidden] -> [N, vocab], chunked when configured
             hidden = x.reshape(-1, x.shape[-1]).index_select(0, rows)
             target = labels.reshape(-1).index_select(0, rows + 1)  # row r predicts the token after it
-            loss_sum = linear_cross_entropy(hidden, self.language.lm_head.weight, target, self.cfg.loss_chunk_rows)
+            loss_sum = self.head_loss(hidden, target)
         n_loss_tokens = (labels[:, 1:] != IGNORE_INDEX).sum()
         out["loss"] = loss_sum / n_loss_tokens.clamp(min=1)  # no host sync; 0 (with a graph) when n == 0
         out["n_loss_tokens"] = n_loss_tokens
         return out
+
+    def head_loss(self, hidden: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """Summed cross-entropy of the LM head on ``hidden`` [N, hidden] against ``target`` [N], with the kernel of
+        ``model.loss_kernel`` (no [N, vocab] logits with Liger or ``loss_chunk_rows``)."""
+        kernel = resolve_loss_kernel(self.cfg.loss_kernel, hidden.device)
+        return linear_cross_entropy(hidden, self.language.lm_head.weight, target, self.cfg.loss_chunk_rows, kernel)
 
     def static_forward(
         self,
@@ -260,7 +266,7 @@ class NanoVLM(nn.Module):
             )
         else:
             hidden = x.reshape(-1, x.shape[-1])  # [B * T, hidden]
-            loss_sum = linear_cross_entropy(hidden, self.language.lm_head.weight, target, self.cfg.loss_chunk_rows)
+            loss_sum = self.head_loss(hidden, target)
         n_loss_tokens = (target != IGNORE_INDEX).sum()
         loss = loss_sum / n_loss_tokens.clamp(min=1)
         return {"logits": x if return_logits else None, "loss": loss, "n_loss_tokens": n_loss_tokens}

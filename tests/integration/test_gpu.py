@@ -238,3 +238,33 @@ def test_the_compiled_step_replays_as_a_cuda_graph_and_matches_eager():
             a.grad, b.grad = None, None
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
     assert not counters["graph_break"], dict(counters["graph_break"])
+
+
+def _liger_missing() -> str | None:
+    from nanovlm.model.loss import _liger_loss
+
+    problem = _liger_loss()
+    return problem if isinstance(problem, str) else None
+
+
+@pytest.mark.skipif(_liger_missing() is not None, reason=str(_liger_missing()))
+def test_liger_fused_loss_matches_the_plain_head():
+    """``model.loss_kernel=liger``: the loss and both gradients equal the plain head in fp32 (tolerance), and in
+    bf16 within bf16 tolerance."""
+    from nanovlm.model.loss import linear_cross_entropy
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    n, d, v = 4096, 256, 32000
+    target = torch.randint(0, v, (n,), device="cuda", generator=g)
+    target[::7] = -100
+    for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 2e-2)):
+        hidden = torch.randn(n, d, device="cuda", generator=g).to(dtype).requires_grad_()
+        weight = (torch.randn(v, d, device="cuda", generator=g) * 0.02).to(dtype).requires_grad_()
+        results = []
+        for kernel in ("torch", "liger"):
+            loss = linear_cross_entropy(hidden, weight, target, kernel=kernel)
+            gh, gw = torch.autograd.grad(loss, (hidden, weight))
+            results.append((loss.float(), gh.float(), gw.float()))
+        (lt, ht, wt), (ll, hl, wl) = results
+        assert abs(float(ll - lt)) <= tol * abs(float(lt)), (dtype, float(ll), float(lt))
+        assert rel_err(hl, ht) < tol and rel_err(wl, wt) < tol, dtype

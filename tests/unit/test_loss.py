@@ -76,3 +76,34 @@ def test_chunked_keeps_no_vocabulary_sized_activation_for_backward():
             linear_cross_entropy(hidden, weight, target, chunk)
     assert max(saved[0]) >= 64 * 500
     assert max(saved[16]) <= 500 * 8
+
+
+def test_loss_kernel_resolution_on_this_machine():
+    """``auto`` takes the PyTorch path without CUDA (or without liger_kernel); ``liger`` says why it cannot run."""
+    from nanovlm.model.loss import resolve_loss_kernel
+
+    assert resolve_loss_kernel("auto", torch.device("cpu")) == "torch"
+    assert resolve_loss_kernel("torch", torch.device("cuda")) == "torch"
+    with pytest.raises(RuntimeError, match="loss_kernel=liger cannot run here: Liger's kernels need CUDA"):
+        resolve_loss_kernel("liger", torch.device("cpu"))
+    with pytest.raises(ValueError, match="unknown loss kernel"):
+        resolve_loss_kernel("fused", torch.device("cpu"))
+
+
+def test_liger_is_called_with_its_argument_order_and_a_summed_loss(monkeypatch):
+    """The wiring to Liger's module, checked on CPU with a stand-in that has its signature (weight, input,
+    target) and computes the reference loss: swapped arguments would fail.
+    Liger's kernel itself is compared with the plain head in integration/test_gpu.py."""
+    import nanovlm.model.loss as loss_mod
+
+    class StandIn(torch.nn.Module):
+        def forward(self, lin_weight, _input, target):
+            return F.cross_entropy(_input @ lin_weight.T, target, ignore_index=IGNORE_INDEX, reduction="sum")
+
+    monkeypatch.setattr(loss_mod, "_liger_loss", lambda: StandIn())
+    assert loss_mod.resolve_loss_kernel("auto", torch.device("cuda")) == "liger"  # CUDA + importable
+    g = torch.Generator().manual_seed(0)
+    hidden, weight = torch.randn(6, 8, generator=g), torch.randn(11, 8, generator=g)
+    target = torch.tensor([1, 2, IGNORE_INDEX, 4, 10, 0])
+    want = linear_cross_entropy(hidden, weight, target)
+    torch.testing.assert_close(linear_cross_entropy(hidden, weight, target, kernel="liger"), want)
