@@ -87,7 +87,8 @@ def batch_stats(batch: dict) -> dict[str, float]:
         "seq_sq": seq_sq,
         "slots": slots,
         "samples": len(batch.get("sample_keys", [])),
-        "images": 0 if pixels is None else int(pixels.shape[0]),
+        # the collate's count: a static pack's pixel_values also hold blank slots, work that is not useful
+        "images": int(meta["n_images"]) if "n_images" in meta else 0 if pixels is None else int(pixels.shape[0]),
         "loss_tokens": loss_tokens,
     }
 

@@ -156,3 +156,12 @@ def test_a_whole_demo_epoch_of_static_packs_is_one_graph(small_demo, tmp_path):
 def test_config_refuses_a_compiled_step_it_cannot_build(overrides, match):
     with pytest.raises(ConfigError, match=match):
         load_config([], overrides)
+
+
+def test_telemetry_counts_the_real_images_of_a_static_pack(micro):
+    """MFU counts useful work: a static pack's blank image slots are not images (the FLOPs would be overstated)."""
+    from nanovlm.train.callbacks import batch_stats
+
+    cfg, itc, size, t, static = micro
+    samples = _samples(0, 3, itc, size)  # 1 image among them, 4 slots
+    assert batch_stats(collate_packed(samples, t, PAD_ID, size, static=static))["images"] == 1
