@@ -4,6 +4,7 @@
     python scripts/benchmark.py --json runs/bench/full.json --plot docs/fill.png  # the numbers in docs/performance.md
     python scripts/benchmark.py --sections packing --index data/my_set/train     # packing on your own data
     python scripts/benchmark.py --sections train --device cuda --preset model_222m.yaml
+    python scripts/benchmark.py --sections train --device cuda --compile-step --train-modes packed  # compiled step
     python scripts/benchmark.py --sections scale --workdir /big/disk   # 1M / 10M / 100M-sample indexes (~6 GB)
     python scripts/benchmark.py --sections remote   # S3 on loopback behind 0 / 20 / 100 ms of latency vs local disk
 
@@ -70,12 +71,33 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu", help="cpu | cuda (training section)")
     p.add_argument("--preset", default="", help="model preset for --device cuda, e.g. model_222m.yaml")
     p.add_argument(
-        "--backends", default="", help="attention backends to compare on cuda, e.g. sdpa,torch_varlen,flash_attn"
+        "--backends",
+        default="",
+        help="attention backends to compare (packed) in the train section, e.g. sdpa,torch_varlen,flash_attn (the "
+        "default on cuda; none on cpu); 'none' for no backend rows",
     )
     p.add_argument(
         "--compile",
         action="store_true",
         help="torch.compile each transformer block (trainer.compile=blocks) in the train section",
+    )
+    p.add_argument(
+        "--compile-step",
+        action="store_true",
+        help="train section: add the packed plan as static packs (data.static_shapes), eager and with the whole step "
+        "compiled (trainer.compile=step; CUDA graphs on cuda); compilation is in the untimed warm-up",
+    )
+    p.add_argument(
+        "--compile-backend",
+        default="inductor",
+        help="torch.compile backend of --compile-step: inductor (as training; CUDA graphs on cuda) or e.g. aot_eager "
+        "(the same graph capture, no code generation: a quick check of the plumbing)",
+    )
+    p.add_argument(
+        "--train-modes",
+        default="all",
+        help="train section: the rows to time besides --backends and --compile-step, comma-separated from "
+        "packed,pad_to_longest,constrained,head_everywhere,decoder_only (default all; 'none' for none)",
     )
     p.add_argument(
         "--scale-sizes", default="", help="scale section: index sizes, e.g. 1M,10M,100M (default; 100k with --quick)"
@@ -110,6 +132,12 @@ def check_args(args: argparse.Namespace) -> str | None:
         return "--reps must be >= 1"
     if args.train_samples < 0:
         return "--train-samples must be >= 1 (0: the default)"
+    from benchmarks.train import parse_train_modes
+
+    try:
+        parse_train_modes(args.train_modes)
+    except ValueError as e:
+        return str(e)
     from benchmarks.workloads import bench_config
     from nanovlm.config import ConfigError
 

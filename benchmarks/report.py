@@ -210,11 +210,17 @@ def workers_table(by_workers: list[dict[str, Any]], step_s: float) -> str:
 def render_train(result: TrainResult) -> str:
     md = ["## Training throughput", "", _train_setting(result), ""]
     md.append(modes_table(result.modes))
-    md += ["", _ratio_text(result.ratio_check)]
+    if result.ratio_check is not None:
+        md += ["", _ratio_text(result.ratio_check)]
     if result.loss_position_head is not None:
         md += ["", _head_text(result.loss_position_head)]
     if result.backends:
         md += ["", "Attention backends (packed):", "", backends_table(result.backends)]
+    profiled = {**result.modes, **{f"packed/{b['backend']}": b for b in result.backends}}
+    profiled = {name: r for name, r in profiled.items() if r.get("profile")}
+    if profiled:
+        steps = next(iter(profiled.values()))["profile"]["steps"]
+        md += ["", _profile_text(result.device.type == "cuda", steps), "", profile_table(profiled)]
     return "\n".join(md)
 
 
@@ -228,10 +234,33 @@ def _train_setting(result: TrainResult) -> str:
         f"[min-max] of {result.reps} passes (modes interleaved) after {result.warmup} warm-up steps; step times "
         "pooled over all passes; peak memory: above the resting level (activations, gradients, temporaries)."
     )
-    launches = result.modes["packed"]["launches_per_step"]
+    if result.compile_step:
+        text += _static_text(result)
+    launches = result.modes.get("packed", {}).get("launches_per_step")
     if launches:
         text += f" Kernel launches of one packed step (forward + backward): {launches}" + (
             " (CUDA kernels and copies)." if cuda else " (aten ops dispatched, the CPU proxy)."
+        )
+    return text
+
+
+def _static_text(result: TrainResult) -> str:
+    """What the static rows ran (``--compile-step``): the layout, and the compiled step's graphs."""
+    from benchmarks.train import STATIC_COMPILED
+
+    st, cuda = result.layout["static"], result.device.type == "cuda"
+    how = result.compile_backend + (", CUDA graphs" if cuda and result.compile_backend == "inductor" else "")
+    text = (
+        f" Static rows: the packed plan as static packs ({st['segments']} segments, {st['image_slots']} image "
+        f"slots for {st['images_per_pack_mean']:.1f} images per pack on average), eager and with the whole step "
+        f"compiled ({how}); compilation is in the warm-up; their MFU counts the real samples' work, as the packed "
+        "row's does."
+    )
+    counters = result.modes.get(STATIC_COMPILED, {}).get("compile_counters")
+    if counters:
+        text += f" Compiled step: {counters['unique_graphs']} graph(s), {counters['graph_breaks']} graph breaks"
+        text += (
+            f", {counters['cudagraph_skips']} CUDA-graph skips (0: every step replays a CUDA graph)." if cuda else "."
         )
     return text
 
@@ -252,6 +281,45 @@ def _timing_cells(r: dict[str, Any]) -> list[str]:
     mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") else "-"
     times = [f"{r['step_ms_median']:.1f}", f"{r['step_ms_p99']:.1f}", f"{r['peak_memory_mb']:.0f}"]
     return [Stats(**r["real_tokens_per_s"]).fmt(0), *times, mfu]
+
+
+def _profile_text(cuda: bool, steps: int) -> str:
+    text = (
+        f"Host vs device time per whole step (forward, backward, optimizer), from a profile of {steps} steps after "
+        "the timed passes: host = self time of the ops and runtime calls on the CPU (profiler overhead included)"
+    )
+    if cuda:
+        text += (
+            ", device = summed GPU kernel and copy time; issue = host time until the step's last launch returned, "
+            "median of the timed steps (no profiler). Host above device: the GPU waits for the host. Launches: "
+            "kernels run by forward + backward (a CUDA graph replays its kernels with one launch)"
+        )
+    return text + ". First loss: of the first warm-up step (rows of the same packs and seed must agree)."
+
+
+def profile_table(rows: dict[str, dict[str, Any]]) -> str:
+    out = []
+    for name, r in rows.items():
+        prof = r["profile"]
+        device = f"{prof['device_ms']:.1f}" if prof.get("device_ms") is not None else "-"
+        issue = f"{r['host_issue_ms_median']:.1f}" if "host_issue_ms_median" in r else "-"
+        step = f"{r['step_ms_median']:.1f}" if "step_ms_median" in r else "-"
+        first = f"{r['first_losses'][0]:.4f}" if r.get("first_losses") else "-"
+        first_s = f"{r['first_step_s']:.1f}" if r.get("first_step_s") is not None else "-"
+        out.append(
+            [name, step, f"{prof['host_ms']:.1f}", device, issue, r.get("launches_per_step") or "-", first_s, first]
+        )
+    head = [
+        "row",
+        "step ms median",
+        "host ms",
+        "device ms",
+        "issue ms",
+        "launches (fwd+bwd)",
+        "first step s",
+        "first loss",
+    ]
+    return markdown_table(head, out)
 
 
 def _ratio_text(check: dict[str, Any]) -> str:

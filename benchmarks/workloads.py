@@ -17,15 +17,16 @@ def bench_config(args: argparse.Namespace, overrides: list[str] | None = None) -
     return load_config(files, [*(overrides or []), *args.set])
 
 
-def data_config(args: argparse.Namespace, workers: int) -> Config:
+def data_config(args: argparse.Namespace, workers: int, with_budget: bool = True) -> Config:
     """``bench_config`` for the sections that read samples: ``--data``, ``--tokenizer`` and ``--budget`` applied,
-    ``workers`` DataLoader workers, no validation set."""
+    ``workers`` DataLoader workers, no validation set. ``with_budget=False`` leaves ``--budget`` to a caller that
+    loads a model preset on top (a budget above the small config's context would be refused here)."""
     overrides = [f"data.num_workers={workers}", "data.val=[]"]
     if args.data:
         overrides += ["data.train=[" + ",".join(args.data) + "]", "data.make_demo_if_missing=false"]
     if args.tokenizer:
         overrides.append(f"data.tokenizer={args.tokenizer}")
-    if args.budget:
+    if args.budget and with_budget:
         overrides.append(f"data.max_tokens={args.budget}")
     return bench_config(args, overrides)
 

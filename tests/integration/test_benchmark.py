@@ -8,15 +8,18 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import subprocess
 
 import pytest
+from helpers import REPO
 
 from benchmarks.baselines import balanced_greedy_knapsack, flattening_steps
 from benchmarks.cli import main
 from benchmarks.common import Stats, percentile
 from benchmarks.distributions import LengthSet, from_index, lognormal, mixture
 from benchmarks.packing import plan_metrics, run_cell
-from benchmarks.train import HEAD_EVERYWHERE
+from benchmarks.train import HEAD_EVERYWHERE, STATIC_COMPILED, STATIC_EAGER
 from nanovlm.config import load_config
 from nanovlm.data.index import load_index
 from nanovlm.data.tokenizer import load_tokenizer
@@ -169,6 +172,8 @@ def test_bad_input_is_a_clear_error(tmp_path, capsys):
     assert "must look like key=value" in capsys.readouterr().err
     assert main(["--quick", "--sections", "train", "--train-samples", "-5"]) == 2
     assert "--train-samples must be >= 1" in capsys.readouterr().err
+    assert main(["--quick", "--sections", "train", "--train-modes", "packed,padded"]) == 2
+    assert "unknown --train-modes ['padded']" in capsys.readouterr().err
 
 
 @pytest.mark.slow
@@ -268,3 +273,69 @@ def test_remote_section_reads_from_s3_behind_a_slow_proxy(tmp_path, make_dataset
         assert row["samples_per_s"]["median"] > 0 and row["of_local"]["median"] > 0
         if key[2]:  # cold: every shard fetched once, plus the index
             assert 1.0 <= row["bytes_per_epoch"] / doc["dataset_bytes"] <= 1.1
+
+
+def test_compiled_step_rows_train_the_static_packs_like_eager(tmp_path, make_dataset, tiny_tokenizer):
+    """``--compile-step`` on CPU: the packed plan as static packs, eager and with the whole step compiled, gives the
+    packed row's losses, compiles one graph for every pack with no break, and reports tokens/s and the host time of
+    a profiled step. The aot_eager backend captures the graph (forward + backward) as inductor would, without its
+    code generation, which takes most of a minute here; inductor's compiled step is checked against eager by
+    test_cli_train.py, and the dry run of scripts/gpu_check.sh below runs these rows with inductor."""
+    make_dataset(tmp_path / "ds", 80, samples_per_shard=40)
+    tiny_tokenizer.save_pretrained(str(tmp_path / "tok"))
+    out = tmp_path / "c.json"
+    args = ["--quick", "--sections", "train", "--data", str(tmp_path / "ds"), "--tokenizer", str(tmp_path / "tok")]
+    args += ["--train-samples", "60", "--reps", "1", "--train-modes", "packed", "--compile-step", "--json", str(out)]
+    args += ["--compile-backend", "aot_eager"]
+    args += ["--set", "model.language.num_layers=1", "--set", "model.vision.num_layers=1"]
+    assert main(args) == 0
+    train = json.loads(out.read_text())["sections"]["train"]
+    assert list(train["modes"]) == ["packed", STATIC_EAGER, STATIC_COMPILED] and train["backends"] == []
+    packed, eager, compiled = train["modes"].values()
+    assert packed["steps_per_pass"] >= 2  # several packs, all through the one compiled graph
+    for row in (packed, eager, compiled):
+        assert row["error"] is None and row["fill"] == packed["fill"]
+        assert row["steps_per_pass"] == packed["steps_per_pass"] and row["real_tokens_per_s"]["median"] > 0
+        assert row["profile"]["host_ms"] > 0 and row["profile"]["device_ms"] is None  # no device on CPU
+    # the same packs from the same seed: the same losses, step after step (first: before any update)
+    assert eager["first_losses"][0] == pytest.approx(packed["first_losses"][0], rel=1e-5)
+    n = len(eager["first_losses"])
+    assert n >= 2 and compiled["first_losses"][:n] == pytest.approx(eager["first_losses"], rel=1e-4)
+    assert compiled["compile_counters"] == {"unique_graphs": 1, "graph_breaks": 0, "cudagraph_skips": 0}
+    assert compiled["first_step_s"] > eager["first_step_s"]  # the compilation is in the warm-up
+    assert compiled["launches_per_step"] > 0
+    static = train["layout"]["static"]
+    assert static["image_slots"] >= static["images_per_pack_mean"] > 0 and static["segments"] > 1
+    assert train["ratio_check"] is None and train["loss_position_head"] is None  # their rows were not asked for
+
+
+GPU_CHECK = REPO / "scripts" / "gpu_check.sh"
+
+
+def test_gpu_check_script_parses():
+    subprocess.run(["bash", "-n", str(GPU_CHECK)], check=True)
+
+
+@pytest.mark.slow
+def test_gpu_check_dry_run_records_every_part(tmp_path, make_dataset, tiny_tokenizer):
+    """``GPU_CHECK_DRY=1 scripts/gpu_check.sh``: the GPU run's parts on CPU at tiny sizes (the install check, pytest
+    -m gpu, an eager and a compiled-step train run), each recorded with its JSON, and a summary; exit 0."""
+    make_dataset(tmp_path / "ds", 60, samples_per_shard=30)
+    tiny_tokenizer.save_pretrained(str(tmp_path / "tok"))
+    out = tmp_path / "out"
+    env = {**os.environ, "GPU_CHECK_DRY": "1", "OUT": str(out)}
+    env["GPU_CHECK_BENCH_ARGS"] = f"--data {tmp_path / 'ds'} --tokenizer {tmp_path / 'tok'}"
+    done = subprocess.run(["bash", str(GPU_CHECK)], env=env, cwd=REPO, capture_output=True, text=True, timeout=400)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    parts = {p["part"]: p for p in summary["parts"]}
+    assert list(parts) == ["install", "pytest_gpu", "train_dry_eager", "train_dry_step"]  # data given: no demo
+    assert all(p["status"] == "ok" for p in parts.values()), parts
+    assert summary["pytest_gpu"]["tests"] > 0 and summary["pytest_gpu"]["failed"] == []
+    rows = {r["row"]: r for r in summary["train"]["train_dry_step"]["rows"]}
+    assert set(rows) == {"packed", STATIC_EAGER, STATIC_COMPILED}
+    assert rows[STATIC_COMPILED]["first_loss"] == pytest.approx(rows[STATIC_EAGER]["first_loss"], rel=1e-4)
+    eager_rows = {r["row"] for r in summary["train"]["train_dry_eager"]["rows"]}
+    assert {"packed", "pad_to_longest", "packed/sdpa"} <= eager_rows
+    for name in ("env.json", "gpu_check.log", "train_dry_eager.json", "train_dry_step.md", "pytest_gpu.xml"):
+        assert (out / name).stat().st_size > 0, name
