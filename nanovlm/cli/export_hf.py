@@ -31,7 +31,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     from nanovlm.data.tokenizer import load_tokenizer
     from nanovlm.model import build_model
     from nanovlm.model.export import export_idefics3
-    from nanovlm.train.checkpoint import CheckpointModelMismatchError, checkpoint_dir, latest_checkpoint, load_weights
+    from nanovlm.train.checkpoint import (
+        CheckpointModelMismatchError,
+        checkpoint_dir,
+        is_checkpoint,
+        latest_checkpoint,
+        load_weights,
+    )
     from nanovlm.train.module import VLMModule
 
     config = Path(args.run_dir) / "config.yaml"
@@ -44,8 +50,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ckpt = Path(args.checkpoint) if args.checkpoint else latest_checkpoint(checkpoint_dir(cfg))
     if ckpt is None:
         raise SystemExit(f"error: no checkpoint in {checkpoint_dir(cfg)}; give one with --checkpoint")
-    if not ckpt.is_file():
-        raise SystemExit(f"error: --checkpoint {ckpt}: no such checkpoint file")
+    if not is_checkpoint(ckpt):
+        raise SystemExit(f"error: --checkpoint {ckpt}: no such checkpoint (file or sharded directory)")
     tokenizer = load_tokenizer(cfg.data.tokenizer, cfg.model.vision.image_splitting)
     # the checkpoint holds every weight: no pretrained checkpoint is read (nor downloaded) again
     model_cfg = dataclasses.replace(cfg.model, vision_checkpoint=None, language_checkpoint=None, vlm_checkpoint=None)

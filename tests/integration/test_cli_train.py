@@ -226,7 +226,10 @@ def test_init_from_starts_a_new_stage_from_the_weights_only(small_demo, tmp_path
         timeout=TIMEOUT,
     )
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    assert "error: FileNotFoundError: checkpoint.init_from='/no/such.ckpt': no such checkpoint file" in proc.stderr
+    assert (
+        "error: FileNotFoundError: checkpoint.init_from='/no/such.ckpt': no such checkpoint (file or sharded directory)"
+        in proc.stderr
+    )
 
 
 @pytest.mark.slow

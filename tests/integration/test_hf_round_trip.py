@@ -98,5 +98,5 @@ def test_export_without_a_checkpoint_names_where_it_looked(tmp_path):
     save_config(cfg, tmp_path)
     with pytest.raises(SystemExit, match="no checkpoint in .*checkpoints"):
         main([str(tmp_path), str(tmp_path / "out")])
-    with pytest.raises(SystemExit, match="--checkpoint .*nope.ckpt: no such checkpoint file"):
+    with pytest.raises(SystemExit, match=r"--checkpoint .*nope.ckpt: no such checkpoint \(file or sharded directory\)"):
         main([str(tmp_path), str(tmp_path / "out"), "--checkpoint", str(tmp_path / "nope.ckpt")])
