@@ -13,7 +13,7 @@ through ``SafeReader`` (an allow-list of the metadata classes) and ``SafeLoadPla
 
 Atomic like a full one: the ranks write ``step-N.ckpt.tmp/``; after a barrier rank 0 renames it to
 ``step-N.ckpt/``. A directory with the final name is therefore complete, and a killed save leaves only a
-``.tmp`` that nothing reads. Single-process tools (``checkpoint.init_from``, export, evaluation) read the full
+``.tmp`` that nothing reads. Single-process tools (``checkpoint.init_from``, export, the fit check) read the full
 model weights from the directory without a process group (``read_sharded_weights``). The strategy that writes
 them is ``strategies.ShardedCheckpointStrategy``.
 """
@@ -129,12 +129,15 @@ def load_model_and_optimizers(path: Path, module: torch.nn.Module, optimizers: l
         )
 
 
-def weight_shapes(path: str | os.PathLike) -> dict[str, torch.Size]:
-    """Name -> global shape of every model tensor, from DCP's metadata (no tensor is read)."""
+def _weight_metadata(path: str | os.PathLike) -> dict[str, Any]:
+    """Name -> DCP's metadata (global shape, dtype) of every model tensor; no tensor is read."""
     meta = SafeReader(str(path)).read_metadata().state_dict_metadata
-    return {
-        k[len(WEIGHTS_PREFIX) :]: m.size for k, m in meta.items() if k.startswith(WEIGHTS_PREFIX) and hasattr(m, "size")
-    }
+    return {k[len(WEIGHTS_PREFIX) :]: m for k, m in meta.items() if k.startswith(WEIGHTS_PREFIX) and hasattr(m, "size")}
+
+
+def weight_shapes(path: str | os.PathLike) -> dict[str, torch.Size]:
+    """Name -> global shape of every model tensor."""
+    return {name: m.size for name, m in _weight_metadata(path).items()}
 
 
 def read_sharded_weights(path: str | os.PathLike) -> dict[str, torch.Tensor]:
@@ -142,12 +145,7 @@ def read_sharded_weights(path: str | os.PathLike) -> dict[str, torch.Tensor]:
 
     Tensors are allocated from DCP's metadata (global shape and dtype) and filled by ``dcp.load`` without a
     process group, whatever number of ranks wrote them."""
-    meta = SafeReader(str(path)).read_metadata().state_dict_metadata
-    weights = {
-        k[len(WEIGHTS_PREFIX) :]: torch.empty(m.size, dtype=m.properties.dtype)
-        for k, m in meta.items()
-        if k.startswith(WEIGHTS_PREFIX) and hasattr(m, "size")
-    }
+    weights = {name: torch.empty(m.size, dtype=m.properties.dtype) for name, m in _weight_metadata(path).items()}
     safe_load({"state_dict": weights}, path, no_dist=True)
     return weights
 
