@@ -7,6 +7,7 @@
     python scripts/benchmark.py --sections train --device cuda --compile-step --train-modes packed  # compiled step
     python scripts/benchmark.py --sections scale --workdir /big/disk   # 1M / 10M / 100M-sample indexes (~6 GB)
     python scripts/benchmark.py --sections remote   # S3 on loopback behind 0 / 20 / 100 ms of latency vs local disk
+    python scripts/benchmark.py --sections decode --device cuda   # JPEG decode: Pillow in a worker vs nvJPEG
 
 Every figure goes to ``--json``; a markdown report is printed (and written to ``--markdown``).
 Warm-up is excluded, inputs and seeds are fixed, each timing is repeated ``--reps`` times (median and
@@ -25,7 +26,7 @@ from typing import Any
 from benchmarks.common import machine_description
 from benchmarks.scale import parse_size
 
-SECTIONS = ("packing", "pipeline", "train", "resume", "scale", "tiles", "remote")
+SECTIONS = ("packing", "pipeline", "train", "resume", "scale", "tiles", "remote", "decode")
 # scale writes GBs of synthetic index, tiles is a packing variant, remote starts an S3 server: asked for by name
 DEFAULT_SECTIONS = SECTIONS[:4]
 
@@ -113,6 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=0,
         help="tiles section: samples per distribution (20000; 2000 with --quick)",
+    )
+    p.add_argument(
+        "--decode-jpegs", default="", help="decode section: a directory or tar of JPEGs (default: synthetic)"
     )
     p.add_argument("--real-shards", default="", help="scale section: shards to time prepare_data on (default: demo)")
     p.add_argument("--workdir", default="runs/bench", help="scratch directory (demo data copies, checkpoints)")
@@ -243,6 +247,11 @@ def run_section(name: str, args: argparse.Namespace) -> tuple[dict[str, Any], st
 
         result = scale.measure(args, log=_log)
         return result.to_json(), report.render_scale(result)
+    if name == "decode":
+        from benchmarks import decode
+
+        result = decode.measure(args, log=_log)
+        return result, report.render_decode(result)
     raise AssertionError(name)
 
 

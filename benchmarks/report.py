@@ -566,3 +566,22 @@ def render_remote(result: dict) -> str:
         )
     )
     return "\n".join(md)
+
+
+def render_decode(result: dict) -> str:
+    md = ["## JPEG decode: in a worker vs on the device (data.image_decode)", ""]
+    md.append(
+        f"{result['images']} JPEGs ({result['source']}) to {result['image_size']} px. *worker*: Pillow with draft scaling and bicubic resize, one image at a "
+        f"time on one core; *device*: {result['decoder']} on {result['device']}, {result['pack_images']} images "
+        "per call, antialiased bicubic resize on the device. *host CPU*: the process's CPU time per image."
+    )
+    md.append("")
+    rows = [[r["path"], f"{r['images_per_s']:.0f}", f"{r['host_cpu_ms_per_image']:.2f}"] for r in result["rows"]]
+    md.append(markdown_table(["path", "images/s", "host CPU ms/image"], rows))
+    d = result["pixel_diff_vs_worker"]
+    md.append("")
+    md.append(
+        f"Pixels of the device path against the worker path without draft scaling: mean |diff| {d['mean']:.2f}, "
+        f"max {d['max']:.0f} (of 255); batches that fell back to Pillow: {result['fallbacks']}."
+    )
+    return "\n".join(md)

@@ -110,6 +110,7 @@ class DataConfig:
     pin_memory: bool = True  # pin batches when training on a GPU
     static_shapes: bool = False  # every pack has the same tensor shapes (for trainer.compile=step; see collate.py)
     image_resize: str = "squash"  # squash | letterbox: how images reach vision.image_size
+    image_decode: str = "worker"  # worker | device: JPEGs decoded on the training device (nvJPEG on CUDA), not tiles
     chat_format: str = "chatml"  # chatml | smolvlm (SmolVLM/Idefics3 instruct checkpoints): how turns are framed
     max_image_pixels: int = 64_000_000  # larger images are skipped (decompression-bomb guard)
     max_skip_rate: float = 0.1  # fail when more than this fraction of an epoch's samples is skipped
@@ -272,6 +273,7 @@ def _type_name(key: str) -> str:
 def _check_values(cfg: Config) -> None:
     """Semantic checks that types alone cannot express (choices, divisibility)."""
     from nanovlm.data.chat import CHAT_FORMATS  # here: the data package loads transformers
+    from nanovlm.data.processing import IMAGE_DECODES
     from nanovlm.model.attention import BACKENDS
     from nanovlm.model.loss import LOSS_KERNELS
 
@@ -281,6 +283,7 @@ def _check_values(cfg: Config) -> None:
         "data.overlength": (cfg.data.overlength, {"drop", "truncate"}),
         "data.packing": (cfg.data.packing, {"packed", "pad_to_longest", "constrained"}),
         "data.image_resize": (cfg.data.image_resize, {"squash", "letterbox"}),
+        "data.image_decode": (cfg.data.image_decode, set(IMAGE_DECODES)),
         "data.chat_format": (cfg.data.chat_format, set(CHAT_FORMATS)),
         "optim.schedule": (cfg.optim.schedule, {"cosine", "linear", "constant"}),
         "trainer.strategy": (cfg.trainer.strategy, {"auto", "ddp", "fsdp", "single"}),
@@ -339,6 +342,11 @@ def _check_values(cfg: Config) -> None:
         raise ConfigError(
             f"checkpoint.format=sharded writes each rank's FSDP shards: it needs trainer.strategy=fsdp (got "
             f"{cfg.trainer.strategy!r}; other strategies hold the whole model on every rank and write one file)"
+        )
+    if cfg.data.image_decode == "device" and cfg.model.vision.image_splitting:
+        raise ConfigError(
+            "data.image_decode=device decodes each JPEG into one view on the device; with "
+            "model.vision.image_splitting the tiles are cut in the DataLoader workers: use data.image_decode=worker"
         )
     if cfg.data.static_shapes and cfg.data.packing != "packed":
         raise ConfigError("data.static_shapes lays out packs: it needs data.packing=packed")

@@ -14,6 +14,8 @@
 #   env       python, torch, CUDA, GPU, optional kernels (flash-attn, liger-kernel) -> env.json
 #   demo      the procedural demo dataset, when data/demo is missing (what the benchmark trains on)
 #   pytest    python -m pytest -m gpu -> pytest_gpu.txt, pytest_gpu.xml
+#   decode    scripts/benchmark.py --sections decode: JPEG decode in a worker (Pillow) vs on the GPU (nvJPEG, batched
+#             per pack, data.image_decode=device), images/s and host CPU per image -> decode.json / .md
 #   train_*   scripts/benchmark.py --sections train on configs/model_460m.yaml and model_222m.yaml at T = 16384 and
 #             8192: "eager" runs time packed vs pad-to-longest (torch_varlen; sdpa and flash_attn beside it at
 #             8192), "step" runs time packed vs static packs eager vs the compiled step (CUDA graphs), the "liger"
@@ -198,6 +200,11 @@ else
   record pytest_gpu skipped -1 0 0 "GPU_CHECK_PYTEST=0"
 fi
 
+DEC_ARGS=(--device cuda --reps "$REPS")
+[[ $DRY == 1 ]] && DEC_ARGS=(--device cpu --quick --reps 1)
+run_part decode 60 "$PY" scripts/benchmark.py --sections decode "${DEC_ARGS[@]}" --json "$OUT_DIR/decode.json" \
+  --markdown "$OUT_DIR/decode.md"
+
 # ---------------------------------------------------------------------------------------------------------------
 # the train benchmark: name preset T kind samples timeout_s (samples: about 3 packs of T per pass of the demo data)
 
@@ -302,13 +309,20 @@ def pytest_counts(path):
     bad = [f"{c.get('classname')}::{c.get('name')}: {(x.get('message') or '')[:200]}" for c in suite.iter("testcase")
            for x in c if x.tag in ("failure", "error")]
     return {**counts, "failed": bad}
+def section(name):
+    """A benchmark JSON's section, or None when that part wrote none."""
+    f = out / f"{name}.json"
+    return json.loads(f.read_text())["sections"][name] if f.exists() else None
 summary = {"wall_s": wall, "parts": parts, "pytest_gpu": pytest_counts(out / "pytest_gpu.xml"), "train": train,
+           "decode": section("decode"),
            "env": json.loads((out / "env.json").read_text()) if (out / "env.json").exists() else None}
 (out / "summary.json").write_text(json.dumps(summary, indent=1))
 print(f"== summary ({wall}s) -> {out / 'summary.json'}")
 for p in parts:
     print(f"  {p['part']:<22} {p['status']:<8} {p['wall_s']:>4}s  {p['note']}")
 print(f"  pytest -m gpu: {summary['pytest_gpu']}")
+for r in (summary["decode"] or {}).get("rows", []):
+    print(f"  decode {r['path']:<8} images/s {r['images_per_s']:.0f}  host CPU ms/image {r['host_cpu_ms_per_image']:.2f}")
 def fmt(x, scale=1.0):
     return "-" if x is None else f"{x * scale:.1f}"
 for name, t in train.items():

@@ -24,6 +24,8 @@ import torch
 
 from nanovlm.constants import IGNORE_INDEX
 
+DEFERRED_KEY = "jpegs"  # a batch's JPEGs left for the device (device_decode.py)
+
 
 class _Sample(Protocol):  # structural view of processing.ProcessedSample
     key: str
@@ -62,6 +64,23 @@ def _pixels(samples: Sequence[_Sample], image_size: int, slots: int = 0) -> torc
     if not imgs:
         return torch.zeros(0, 3, image_size, image_size, dtype=torch.uint8)
     return torch.cat(imgs, 0)
+
+
+def _deferred(samples: Sequence[_Sample]) -> list[tuple[bytes, int, tuple[int, int, int, int], str]]:
+    """(bytes, row in the batch's pixel_values, box, sample key) of every deferred JPEG (a sample's ``jpegs``,
+    see processing.DeferredJpeg), for device_decode.py."""
+    out, row = [], 0
+    for s in samples:
+        out += [(j.data, row + j.view, j.box, s.key) for j in getattr(s, "jpegs", ())]
+        row += int(s.pixel_values.shape[0])
+    return out
+
+
+def _with_deferred(batch: dict[str, Any], samples: Sequence[_Sample]) -> dict[str, Any]:
+    deferred = _deferred(samples)
+    if deferred:  # only then: batches without deferred JPEGs keep their keys
+        batch[DEFERRED_KEY] = deferred
+    return batch
 
 
 def collate_packed(
@@ -116,7 +135,7 @@ def collate_packed(
     }
     if static is not None:
         batch["static"] = True  # the model takes its static path (vlm.NanoVLM.forward)
-    return batch
+    return _with_deferred(batch, samples)
 
 
 def _static_cu_seqlens(cu: torch.Tensor, static: StaticLayout, samples: Sequence[_Sample]) -> torch.Tensor:
@@ -164,7 +183,7 @@ def collate_padded(
         "loss_tokens": int((labels != IGNORE_INDEX).sum()),
     }
     info.update(meta or {})
-    return {
+    batch = {
         "input_ids": input_ids,  # [B, L]
         "labels": labels,  # [B, L]
         "position_ids": position_ids,  # [B, L]
@@ -173,3 +192,4 @@ def collate_padded(
         "sample_keys": [s.key for s in samples],
         "meta": info,
     }
+    return _with_deferred(batch, samples)

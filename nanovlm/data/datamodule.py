@@ -17,14 +17,17 @@ The position advances only in ``on_batch_consumed`` (called after a batch was tr
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import lightning as L
 import numpy as np
+import torch
 from torch.utils.data import DataLoader
 
 from nanovlm.config import DataConfig, ModelConfig, image_token_count
 from nanovlm.data.accounting import DataCounters, SkipRateError
-from nanovlm.data.collate import StaticLayout
+from nanovlm.data.collate import DEFERRED_KEY, StaticLayout
+from nanovlm.data.device_decode import DeviceDecoder
 from nanovlm.data.index import load_index
 from nanovlm.data.loader import make_loader
 from nanovlm.data.processing import SampleProcessor
@@ -93,6 +96,7 @@ class PackedMultimodalDataModule(L.LightningDataModule):
         self.static: StaticLayout | None = None  # data.static_shapes: the packs' fixed shapes
         self.position = Position()
         self.counters = DataCounters()
+        self.device_decoder = DeviceDecoder()  # data.image_decode=device: decodes packs' JPEGs after the move
         self._plan_cache: tuple[tuple, EpochPlan] | None = None
         self._pending_state: dict | None = None
         self._planned_per_ds: np.ndarray | None = None
@@ -213,6 +217,17 @@ class PackedMultimodalDataModule(L.LightningDataModule):
             return []
         return self._loader(PackStream(self._stream_spec(val=True), Position()), persistent=True)
 
+    # ---- device ------------------------------------------------------------------------------------------------
+
+    def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
+        """Lightning's move to the device, then (``data.image_decode=device``) the pack's deferred JPEGs decoded
+        into its ``pixel_values`` there. Their bytes stay on the host: nvJPEG parses them from host memory."""
+        deferred = batch.pop(DEFERRED_KEY, None) if isinstance(batch, dict) else None
+        batch = super().transfer_batch_to_device(batch, device, dataloader_idx)
+        if deferred:
+            self.device_decoder(batch["pixel_values"], deferred)
+        return batch
+
     # ---- position ----------------------------------------------------------------------------------------------
 
     def on_batch_consumed(self, batch: dict) -> None:
@@ -285,7 +300,10 @@ class PackedMultimodalDataModule(L.LightningDataModule):
 
     def telemetry(self) -> dict:
         """Counters since the last call (for the training loop's logger)."""
-        return self.counters.telemetry() | {"epoch": self.position.epoch, "epoch_position": self.position.consumed}
+        out = self.counters.telemetry() | {"epoch": self.position.epoch, "epoch_position": self.position.consumed}
+        if self.cfg.image_decode == "device":
+            out["device_decode_fallbacks"] = self.device_decoder.fallbacks
+        return out
 
     def pack_bytes(self) -> int:
         """Bytes of one finished pack (token tensors + the largest image tensor it may hold)."""

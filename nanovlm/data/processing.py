@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import io
+import itertools
 import re
 import warnings
 from collections.abc import Iterator, Sequence
@@ -167,18 +168,26 @@ def to_rgb(img: Image.Image) -> Image.Image:
     return img.convert("RGB")
 
 
-def resize_image(img: Image.Image, size: int, mode: str = "squash") -> Image.Image:
-    """Resize to size x size: ``squash`` ignores the aspect ratio; ``letterbox`` keeps it and pads with grey."""
+def image_box(w: int, h: int, size: int, mode: str = "squash") -> tuple[int, int, int, int]:
+    """(x, y, width, height) of a w x h image resized onto the size x size canvas: all of it with ``squash``
+    (the aspect ratio ignored), centred with its aspect kept with ``letterbox`` (grey around it)."""
     if mode == "squash":
-        return img if img.size == (size, size) else img.resize((size, size), Image.Resampling.BICUBIC)
+        return 0, 0, size, size
     if mode == "letterbox":
-        w, h = img.size
         scale = size / max(w, h)
         nw, nh = max(1, round(w * scale)), max(1, round(h * scale))
-        canvas = Image.new("RGB", (size, size), LETTERBOX_FILL)
-        canvas.paste(img.resize((nw, nh), Image.Resampling.BICUBIC), ((size - nw) // 2, (size - nh) // 2))
-        return canvas
+        return (size - nw) // 2, (size - nh) // 2, nw, nh
     raise ValueError(f"unknown resize mode {mode!r}; choose squash or letterbox")
+
+
+def resize_image(img: Image.Image, size: int, mode: str = "squash") -> Image.Image:
+    """Resize to size x size as ``image_box`` places it (bicubic)."""
+    x, y, w, h = image_box(*img.size, size, mode)
+    if (w, h) == (size, size):
+        return img if img.size == (size, size) else img.resize((size, size), Image.Resampling.BICUBIC)
+    canvas = Image.new("RGB", (size, size), LETTERBOX_FILL)
+    canvas.paste(img.resize((w, h), Image.Resampling.BICUBIC), (x, y))
+    return canvas
 
 
 def split_image(img: Image.Image, grid: tuple[int, int], size: int, resize: str = "squash") -> list[Image.Image]:
@@ -223,6 +232,31 @@ def images_to_tensor(images: list[Image.Image]) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(hwc.transpose(0, 3, 1, 2)))
 
 
+IMAGE_DECODES = ("worker", "device")  # data.image_decode
+JPEG_END = b"\xff\xd9"  # EOI: a JPEG cut short (the common corruption) lacks it
+
+
+@dataclass(frozen=True)
+class DeferredJpeg:
+    """A JPEG left for the training device to decode (``data.image_decode=device``, ``device_decode.py``): its
+    bytes, its row in the sample's ``pixel_values`` (a grey canvas until then) and its ``image_box`` there."""
+
+    data: bytes
+    view: int
+    box: tuple[int, int, int, int]  # (x, y, width, height) on the image_size x image_size canvas
+
+
+def device_decodable(img: Image.Image, data: bytes) -> bool:
+    """Whether an opened image can be decoded on the device instead: a complete RGB or grey JPEG that needs no
+    EXIF turn (the rest, and anything split into tiles, is decoded in the worker, as before)."""
+    if img.format != "JPEG" or img.mode not in ("RGB", "L") or data.rstrip(b"\0")[-2:] != JPEG_END:
+        return False
+    try:
+        return img.getexif().get(0x0112) in (None, 1)
+    except Exception:  # a corrupt EXIF block: the worker's decoder ignores it, the device's might not
+        return False
+
+
 # ----------------------------------------------------------------------------------------------------------
 # text
 
@@ -241,6 +275,7 @@ class ProcessedSample:
     labels: torch.Tensor  # LongTensor [L], -100 except on assistant content and its end token
     pixel_values: torch.Tensor  # uint8 [n_img, 3, H, W]
     truncated: bool = False
+    jpegs: tuple[DeferredJpeg, ...] = ()  # views of pixel_values still to be decoded on the device
 
 
 class SampleProcessor:
@@ -257,7 +292,7 @@ class SampleProcessor:
         args = (vision.image_size, image_token_count(model_cfg), data_cfg.image_resize, data_cfg.max_image_pixels)
         fmt = data_cfg.chat_format
         if not vision.image_splitting:
-            return cls(tokenizer, *args, chat_format=fmt)
+            return cls(tokenizer, *args, chat_format=fmt, decode=data_cfg.image_decode)
         if vision.longest_edge:
             side = idefics3_side(vision.image_size, vision.longest_edge)
             return cls(tokenizer, *args, max_tiles=side * side, longest_edge=vision.longest_edge, chat_format=fmt)
@@ -273,9 +308,13 @@ class SampleProcessor:
         max_tiles: int = 0,
         longest_edge: int = 0,
         chat_format: str = "chatml",
+        decode: str = "worker",
     ):
         if resize not in ("squash", "letterbox"):
             raise ValueError(f"unknown resize mode {resize!r}; choose squash or letterbox")
+        if decode not in IMAGE_DECODES or (decode == "device" and max_tiles):
+            raise ValueError(f"image decode {decode!r}: choose one of {IMAGE_DECODES} (device: without tiles)")
+        self.decode = decode
         self.tokenizer = tokenizer
         self.image_size = image_size
         self.image_token_count = image_token_count
@@ -380,15 +419,27 @@ class SampleProcessor:
             return split_idefics3(img, grid, self.image_size, self.layout.longest_edge)
         return split_image(img, grid, self.image_size, self.resize)
 
-    def _pixels(self, opened: Sequence[tuple[Image.Image, tuple[int, int]]], key: str) -> torch.Tensor:
+    def _pixels(
+        self, opened: Sequence[tuple[Image.Image, tuple[int, int]]], key: str, datas: Sequence[bytes] = ()
+    ) -> tuple[torch.Tensor, tuple[DeferredJpeg, ...]]:
+        """Every image's views, uint8 [n_views, 3, S, S]. Given the images' bytes (``datas``) and
+        ``decode="device"``, a ``device_decodable`` image's view is a grey canvas and comes back deferred."""
         if not opened:
-            return torch.zeros(0, 3, self.image_size, self.image_size, dtype=torch.uint8)
-        return images_to_tensor([v for img, g in opened for v in self._views(img, g, key)])
+            return torch.zeros(0, 3, self.image_size, self.image_size, dtype=torch.uint8), ()
+        views: list[Image.Image] = []
+        deferred: list[DeferredJpeg] = []
+        for (img, grid), data in itertools.zip_longest(opened, datas[: len(opened)]):
+            if data is not None and self.decode == "device" and device_decodable(img, data):
+                deferred.append(DeferredJpeg(data, len(views), image_box(*img.size, self.image_size, self.resize)))
+                views.append(Image.new("RGB", (self.image_size, self.image_size), LETTERBOX_FILL))
+            else:
+                views += self._views(img, grid, key)
+        return images_to_tensor(views), tuple(deferred)
 
     def images(self, datas: Sequence[bytes], key: str = "") -> torch.Tensor:
         """The images of one sample -> uint8 [n_views, 3, S, S]: every image's views in order ([0, 3, S, S] for
         none); a view per image without splitting, else each image's tiles then its global view."""
-        return self._pixels([self._open(b, key) for b in datas], key)
+        return self._pixels([self._open(b, key) for b in datas], key)[0]
 
     def image(self, data: bytes, key: str = "") -> torch.Tensor:
         """Image bytes -> uint8 [3, S, S]: the first (without splitting: the only) view."""
@@ -457,7 +508,7 @@ class SampleProcessor:
         self._check_images(messages, images, key)
         opened = [self._open(b, key) for b in images]
         ids, _ = self.encode(messages, [self.image_ids(g) for _, g in opened])
-        return ids + self._header("assistant"), self._pixels(opened, key)
+        return ids + self._header("assistant"), self._pixels(opened, key)[0]
 
     @staticmethod
     def _check_images(messages: list[dict], images: Sequence[bytes], key: str) -> None:
@@ -506,10 +557,5 @@ class SampleProcessor:
             truncated = True
             if all(label == IGNORE_INDEX for label in labels):
                 raise SampleError("overlength", record.key, f"no answer token left after truncation to {max_tokens}")
-        return ProcessedSample(
-            key=record.key,
-            input_ids=long_tensor(ids),
-            labels=long_tensor(labels),
-            pixel_values=self._pixels(opened[:n_images], record.key),
-            truncated=truncated,
-        )
+        pixel_values, jpegs = self._pixels(opened[:n_images], record.key, record.images)
+        return ProcessedSample(record.key, long_tensor(ids), long_tensor(labels), pixel_values, truncated, jpegs)

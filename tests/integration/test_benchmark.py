@@ -319,7 +319,8 @@ def test_gpu_check_script_parses():
 @pytest.mark.slow
 def test_gpu_check_dry_run_records_every_part(tmp_path, make_dataset, tiny_tokenizer):
     """``GPU_CHECK_DRY=1 scripts/gpu_check.sh``: the GPU run's parts on CPU at tiny sizes (the install check, pytest
-    -m gpu, an eager and a compiled-step train run), each recorded with its JSON, and a summary; exit 0."""
+    -m gpu, the decode benchmark, an eager and a compiled-step train run), each recorded with its JSON, and a
+    summary; exit 0."""
     make_dataset(tmp_path / "ds", 60, samples_per_shard=30)
     tiny_tokenizer.save_pretrained(str(tmp_path / "tok"))
     out = tmp_path / "out"
@@ -329,13 +330,18 @@ def test_gpu_check_dry_run_records_every_part(tmp_path, make_dataset, tiny_token
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     parts = {p["part"]: p for p in summary["parts"]}
-    assert list(parts) == ["install", "pytest_gpu", "train_dry_eager", "train_dry_step"]  # data given: no demo
+    assert list(parts) == ["install", "pytest_gpu", "decode", "train_dry_eager", "train_dry_step"]  # no demo
     assert all(p["status"] == "ok" for p in parts.values()), parts
     assert summary["pytest_gpu"]["tests"] > 0 and summary["pytest_gpu"]["failed"] == []
     rows = {r["row"]: r for r in summary["train"]["train_dry_step"]["rows"]}
     assert set(rows) == {"packed", STATIC_EAGER, STATIC_COMPILED}
     assert rows[STATIC_COMPILED]["first_loss"] == pytest.approx(rows[STATIC_EAGER]["first_loss"], rel=1e-4)
     eager_rows = {r["row"] for r in summary["train"]["train_dry_eager"]["rows"]}
+    decode = summary["decode"]
+    assert [r["path"] for r in decode["rows"]] == ["worker", "device"]
+    assert all(r["images_per_s"] > 0 and r["host_cpu_ms_per_image"] > 0 for r in decode["rows"])
+    # off CUDA both decode paths use Pillow: only the resize filters differ, by rounding
+    assert decode["decoder"].startswith("Pillow") and decode["pixel_diff_vs_worker"]["max"] <= 4
     assert {"packed", "pad_to_longest", "packed/sdpa"} <= eager_rows
     for name in ("env.json", "gpu_check.log", "train_dry_eager.json", "train_dry_step.md", "pytest_gpu.xml"):
         assert (out / name).stat().st_size > 0, name

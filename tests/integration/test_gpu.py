@@ -268,3 +268,35 @@ def test_liger_fused_loss_matches_the_plain_head():
         (lt, ht, wt), (ll, hl, wl) = results
         assert abs(float(ll - lt)) <= tol * abs(float(lt)), (dtype, float(ll), float(lt))
         assert rel_err(hl, ht) < tol and rel_err(wl, wt) < tol, dtype
+
+
+def test_nvjpeg_decode_matches_the_worker_decoder():
+    """data.image_decode=device on CUDA: nvJPEG's pixels against Pillow's, through the same resize and paste,
+    including a batch nvJPEG refuses (a JPEG with no scan) decoded by Pillow instead and counted."""
+    import io
+
+    import numpy as np
+    from PIL import Image, ImageFilter
+
+    from nanovlm.data.device_decode import DeviceDecoder
+
+    rng = np.random.default_rng(0)
+    datas = []
+    for w, h in [(640, 480), (333, 500), (48, 48), (1024, 200)]:
+        noise = rng.integers(0, 256, (h, w, 3), dtype=np.uint8)
+        buf = io.BytesIO()
+        Image.fromarray(noise).filter(ImageFilter.GaussianBlur(3)).save(buf, "JPEG", quality=90)
+        datas.append(buf.getvalue())
+    deferred = [(d, i, (0, 0, 64, 64), f"k{i}") for i, d in enumerate(datas)]
+    decoder = DeviceDecoder()
+    gpu = decoder(torch.zeros(4, 3, 64, 64, dtype=torch.uint8, device="cuda"), deferred)
+    cpu = decoder(torch.zeros(4, 3, 64, 64, dtype=torch.uint8), deferred)  # the same path with Pillow
+    diff = (gpu.cpu().int() - cpu.int()).abs().float()
+    assert decoder.fallbacks == 0 and diff.mean() < 1.0 and diff.max() <= 32, (diff.mean(), diff.max())
+    no_scan = datas[2][: datas[2].index(b"\xff\xda")] + b"\xff\xd9"
+    with pytest.raises(RuntimeError, match="sample 'bad'"):
+        decoder(
+            torch.zeros(2, 3, 64, 64, dtype=torch.uint8, device="cuda"),
+            [*deferred[:1], (no_scan, 1, (0, 0, 64, 64), "bad")],
+        )
+    assert decoder.fallbacks == 1
