@@ -190,6 +190,9 @@ class CheckpointConfig:
     # sharded: a directory where every rank writes its own shards (torch.distributed.checkpoint); trainer.strategy
     # =fsdp only; resumes on any world size.
     format: str = "full"
+    # sharded only: a save copies the shards to host memory and returns; a background thread writes them while
+    # training goes on (published once written; the next save, a stop and the end of training wait for it)
+    async_save: bool = False
 
 
 @dataclass
@@ -342,6 +345,11 @@ def _check_values(cfg: Config) -> None:
         raise ConfigError(
             f"checkpoint.format=sharded writes each rank's FSDP shards: it needs trainer.strategy=fsdp (got "
             f"{cfg.trainer.strategy!r}; other strategies hold the whole model on every rank and write one file)"
+        )
+    if cfg.checkpoint.async_save and cfg.checkpoint.format != "sharded":
+        raise ConfigError(
+            "checkpoint.async_save writes sharded checkpoints in the background: it needs "
+            f"checkpoint.format=sharded (got {cfg.checkpoint.format!r})"
         )
     if cfg.data.image_decode == "device" and cfg.model.vision.image_splitting:
         raise ConfigError(

@@ -285,10 +285,14 @@ class PeriodicCheckpoint(Checkpoint):
         self._old_handlers = {}
 
     # -- saving ---------------------------------------------------------------------------------------------
-    def save(self, trainer: pl.Trainer) -> Path:
-        """Write ``step-<global_step>.ckpt`` (all ranks must call this), then prune old ones on rank 0."""
+    def save(self, trainer: pl.Trainer, wait: bool = False) -> Path:
+        """Write ``step-<global_step>.ckpt`` (all ranks must call this), then prune old ones on rank 0. ``wait``:
+        a save the strategy writes in the background (``checkpoint.async_save``) is finished before returning."""
         path = self.dir / checkpoint_name(trainer.global_step)
         trainer.save_checkpoint(path, weights_only=False)
+        finish = getattr(trainer.strategy, "finish_checkpoint", None)
+        if wait and finish is not None:
+            finish()
         self.last_saved, self.last_saved_step = path, trainer.global_step
         if trainer.is_global_zero:
             for _, old in list_checkpoints(self.dir)[: -self.keep_last]:
@@ -302,7 +306,7 @@ class PeriodicCheckpoint(Checkpoint):
         self._last_step = step
         signalled = any_rank(self._signal_received, pl_module.device)  # on any rank: the same answer on all
         if (signalled or step == self.stop_at_step) and step < trainer.max_steps:
-            path = self.save(trainer)
+            path = self.save(trainer, wait=True)
             self.preempted, self.by_signal = True, signalled
             trainer.should_stop = True
             # Lightning validates when a run stops early: an unscheduled validation that a preempted run pays for in
@@ -322,7 +326,7 @@ class PeriodicCheckpoint(Checkpoint):
         if self.preempted or trainer.global_step == 0:
             return
         if self.last_saved_step != trainer.global_step:  # same decision on every rank (no filesystem check)
-            self.save(trainer)
+            self.save(trainer, wait=True)
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         self._restore_signals()

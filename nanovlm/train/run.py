@@ -124,7 +124,7 @@ def build_trainer(
         accelerator=strategies.resolve_accelerator(t),
         devices=devices,
         num_nodes=num_nodes,
-        strategy=strategies.build_strategy(t, cfg.checkpoint.format),
+        strategy=strategies.build_strategy(t, cfg.checkpoint),
         precision=strategies.resolve_precision(t),
         max_steps=t.max_steps,
         max_epochs=-1,

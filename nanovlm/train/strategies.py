@@ -24,7 +24,7 @@ import torch
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
 
-from nanovlm.config import TrainerConfig
+from nanovlm.config import CheckpointConfig, TrainerConfig
 from nanovlm.train import sharded
 from nanovlm.train.checkpoint import CheckpointWriteError, fsync_dir
 
@@ -45,8 +45,9 @@ def resolve_precision(cfg: TrainerConfig) -> str:
     return "bf16-mixed" if resolve_accelerator(cfg) == "gpu" else "32-true"
 
 
-def build_strategy(cfg: TrainerConfig, checkpoint_format: str = "full") -> Any:
+def build_strategy(cfg: TrainerConfig, checkpoint: CheckpointConfig | None = None) -> Any:
     """A Lightning strategy object (or the string 'auto') for ``trainer.strategy`` and ``checkpoint.format``."""
+    checkpoint = checkpoint or CheckpointConfig()
     if cfg.strategy in ("auto", "single"):
         return "auto"
     if cfg.strategy == "ddp":
@@ -54,8 +55,8 @@ def build_strategy(cfg: TrainerConfig, checkpoint_format: str = "full") -> Any:
 
         # find_unused_parameters=False: every part gets a gradient (frozen parts have requires_grad=False).
         return DDPStrategy(find_unused_parameters=False, timeout=DIST_TIMEOUT)
-    if cfg.strategy == "fsdp" and checkpoint_format == "sharded":
-        return ShardedCheckpointStrategy(timeout=DIST_TIMEOUT)
+    if cfg.strategy == "fsdp" and checkpoint.format == "sharded":
+        return ShardedCheckpointStrategy(async_save=checkpoint.async_save, timeout=DIST_TIMEOUT)
     if cfg.strategy == "fsdp":
         return ModelParallelStrategy(save_distributed_checkpoint=False, timeout=DIST_TIMEOUT)
     raise ValueError(f"unknown trainer.strategy {cfg.strategy!r}; choose auto, single, ddp or fsdp")
@@ -142,9 +143,23 @@ def launcher_topology(devices: Any, num_nodes: int) -> tuple[Any, int]:
 class ShardedCheckpointStrategy(ModelParallelStrategy):
     """FSDP2 (Lightning's ``ModelParallelStrategy``) whose checkpoints are sharded directories, written
     atomically and read through ``sharded``'s safe reader (onto any world size). A full checkpoint file still
-    loads (Lightning's loader, ``weights_only``), so a run can switch to sharded checkpoints mid-way."""
+    loads (Lightning's loader, ``weights_only``), so a run can switch to sharded checkpoints mid-way.
+
+    Every save goes to ``<name>.tmp`` and is renamed by rank 0 once every rank's shards are written: a directory
+    with the checkpoint's name is always complete. With ``async_save`` (``checkpoint.async_save``) a save copies
+    the shards to host memory and returns; a background thread writes them (over a gloo group of its own, so its
+    collectives never interleave with training's) while training goes on. One save is in flight at a time: the
+    next save, a load, a stop and the end of training first wait for it and publish it (``finish_checkpoint``).
+    """
+
+    def __init__(self, async_save: bool = False, **kwargs: Any) -> None:
+        super().__init__(save_distributed_checkpoint=True, **kwargs)
+        self.async_save = async_save
+        self._pending: tuple[Any, Path, Path] | None = None  # (DCP's future, temp dir, final path) in flight
+        self._save_group: Any = None  # gloo group of the background writes (made on the first async save)
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        self.finish_checkpoint()
         path = Path(self.broadcast(str(checkpoint_path)))
         if not sharded.is_sharded(path):
             return super().load_checkpoint(path, weights_only=weights_only)
@@ -152,16 +167,17 @@ class ShardedCheckpointStrategy(ModelParallelStrategy):
         sharded.load_model_and_optimizers(path, self.model, self.optimizers, strict=strict)
         return sharded.read_meta(path)  # step, loops, DataModule and RNG states
 
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__(save_distributed_checkpoint=True, **kwargs)
-
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        self.finish_checkpoint()
         path = Path(self.broadcast(str(filepath)))
         tmp = path.with_name(path.name + ".tmp")
         if self.global_rank == 0 and tmp.exists():  # left by a killed save
             sharded.remove(tmp)
         self.barrier("sharded-save-start")
         try:
+            if self.async_save:
+                self._pending = (self._save_async(checkpoint, tmp), tmp, path)
+                return
             super().save_checkpoint(checkpoint, tmp, storage_options)
         except (OSError, RuntimeError) as e:
             raise CheckpointWriteError(
@@ -169,11 +185,53 @@ class ShardedCheckpointStrategy(ModelParallelStrategy):
             ) from e
         self.barrier("sharded-save-written")  # every rank's shards, DCP's .metadata and meta.pt are in tmp
         if self.global_rank == 0:
-            with open(tmp / sharded.META_FILE, "rb") as f:  # DCP syncs its own files; torch.save does not
-                os.fsync(f.fileno())
-            fsync_dir(tmp)
-            if path.exists():  # the same step saved again (a rerun at the final step)
-                sharded.remove(path)
-            os.replace(tmp, path)
-            fsync_dir(path.parent)
+            _publish(tmp, path)
         self.barrier("sharded-save-done")
+
+    def _save_async(self, checkpoint: dict[str, Any], tmp: Path) -> Any:
+        """Stage this rank's shards in host memory and start writing them; DCP's future of the write."""
+        import torch.distributed as dist
+        import torch.distributed.checkpoint as dcp
+
+        if self._save_group is None:
+            self._save_group = dist.new_group(backend="gloo")
+        tmp.mkdir(parents=True, exist_ok=True)
+        # the layout Lightning's synchronous save writes (and load_model_and_optimizers reads)
+        state = {"state_dict": checkpoint.pop("state_dict")}
+        state.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
+        future = dcp.async_save(state, checkpoint_id=tmp, process_group=self._save_group)
+        if self.global_rank == 0:
+            torch.save(checkpoint, tmp / sharded.META_FILE)  # step, loops, DataModule and RNG states
+        return future
+
+    def finish_checkpoint(self) -> None:
+        """Wait for the save in flight, if any, and publish it. Every rank waits for its own writes; rank 0
+        renames, as soon as its future resolves: DCP resolves it only after the coordinator has gathered every
+        rank's writes and written ``.metadata``."""
+        if self._pending is None:
+            return
+        future, tmp, path = self._pending
+        self._pending = None
+        try:
+            future.result()
+        except Exception as e:
+            raise CheckpointWriteError(
+                f"could not write sharded checkpoint {path}: {e}. Earlier checkpoints in {path.parent} are kept."
+            ) from e
+        if self.global_rank == 0:
+            _publish(tmp, path)
+
+    def teardown(self) -> None:
+        self.finish_checkpoint()
+        super().teardown()
+
+
+def _publish(tmp: Path, path: Path) -> None:
+    """A complete temp checkpoint directory -> ``path``, durably (rank 0)."""
+    with open(tmp / sharded.META_FILE, "rb") as f:  # DCP syncs its own files; torch.save does not
+        os.fsync(f.fileno())
+    fsync_dir(tmp)
+    if path.exists():  # the same step saved again (a rerun at the final step)
+        sharded.remove(path)
+    os.replace(tmp, path)
+    fsync_dir(path.parent)

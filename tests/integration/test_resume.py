@@ -92,33 +92,39 @@ def ddp_runs(small_demo, tmp_path_factory) -> tuple[Path, Path]:
 
 @pytest.fixture(scope="module")
 def fsdp_runs(small_demo, tmp_path_factory) -> tuple[Path, Path]:
-    """An uninterrupted 5-step FSDP run (full checkpoints, one at step 2 too), and one stopped at step 2 that
-    writes sharded ones."""
+    """An uninterrupted 5-step FSDP run (full checkpoints at every step), and one stopped at step 2 that writes
+    sharded ones in the background (step 1's written while step 2 trains, step 2's finished before the stop)."""
     full, stopped = tmp_path_factory.mktemp("fsdp_full"), tmp_path_factory.mktemp("fsdp_stopped")
-    run_train(small_demo, full, *two_processes("fsdp"), "checkpoint.every_n_steps=2", "checkpoint.keep_last=3")
-    out = run_train(small_demo, stopped, "trainer.stop_at_step=2", *two_processes("fsdp"), *SHARDED)
+    run_train(small_demo, full, *two_processes("fsdp"), "checkpoint.every_n_steps=1", "checkpoint.keep_last=5")
+    out = run_train(small_demo, stopped, "trainer.stop_at_step=2", *two_processes("fsdp"), *ASYNC_SHARDED)
     assert "trainer.stop_at_step reached: saved" in out
-    ckpt = stopped / "checkpoints" / checkpoint_name(2)
-    assert sorted(p.name for p in ckpt.iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp", "meta.pt"]
+    for step in (1, 2):
+        ckpt = stopped / "checkpoints" / checkpoint_name(step)
+        assert sorted(p.name for p in ckpt.iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp", "meta.pt"]
     return full, stopped
 
 
 SHARDED = ["checkpoint.format=sharded"]
+ASYNC_SHARDED = [*SHARDED, "checkpoint.async_save=true", "checkpoint.every_n_steps=1"]
 
 
 @pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_exact_resume_two_processes(small_demo, tmp_path, strategy, request):
-    """DDP from a full checkpoint; FSDP from a sharded one (each rank wrote its shards), compared with an
-    uninterrupted run that wrote full ones: the two formats hold the same state."""
+    """DDP from a full checkpoint; FSDP from a sharded one (each rank wrote its shards, in the background),
+    compared with an uninterrupted run that wrote full ones: the two formats hold the same state. Every sharded
+    checkpoint written in the background while training went on holds its own step's weights."""
     full, stopped = request.getfixturevalue(f"{strategy}_runs")  # shared with the tests below
     shutil.copytree(stopped, tmp_path / "resumed")
     out = run_train(
-        small_demo, tmp_path / "resumed", *two_processes(strategy), *(SHARDED if strategy == "fsdp" else [])
+        small_demo, tmp_path / "resumed", *two_processes(strategy), *(ASYNC_SHARDED if strategy == "fsdp" else [])
     )
     assert f"[resume] from {tmp_path / 'resumed' / 'checkpoints' / checkpoint_name(2)}" in out
     assert_same_run(full, tmp_path / "resumed", n_micro=5, ranks=2, final_step=5)
+    if strategy == "fsdp":
+        for run_dir, step in [(stopped, 1), (tmp_path / "resumed", 3), (tmp_path / "resumed", 4)]:
+            assert_same_weights(final_weights(full, step), final_weights(run_dir, step))
     # the two ranks trained different samples
     a0, a1 = steps(full, 0), steps(full, 1)
     assert not set(k for r in a0 for k in r[2]) & set(k for r in a1 for k in r[2])

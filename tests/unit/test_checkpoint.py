@@ -200,6 +200,8 @@ def test_sharded_format_needs_fsdp():
     with pytest.raises(ConfigError, match="checkpoint.format=sharded .* needs trainer.strategy=fsdp"):
         load_config([], ["checkpoint.format=sharded", "trainer.strategy=ddp"])
     assert load_config([], ["checkpoint.format=sharded", "trainer.strategy=fsdp"]).checkpoint.format == "sharded"
+    with pytest.raises(ConfigError, match="checkpoint.async_save .* needs checkpoint.format=sharded"):
+        load_config([], ["checkpoint.async_save=true", "trainer.strategy=fsdp"])
 
 
 def test_a_sharded_checkpoint_with_code_in_it_is_refused(tmp_path):
