@@ -578,7 +578,7 @@ def render_decode(result: dict) -> str:
     md.append("")
     rows = [[r["path"], f"{r['images_per_s']:.0f}", f"{r['host_cpu_ms_per_image']:.2f}"] for r in result["rows"]]
     md.append(markdown_table(["path", "images/s", "host CPU ms/image"], rows))
-    d = result["pixel_diff_vs_worker"]
+    d = result["pixel_diff_vs_worker_no_draft"]
     md.append("")
     md.append(
         f"Pixels of the device path against the worker path without draft scaling: mean |diff| {d['mean']:.2f}, "

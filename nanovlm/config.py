@@ -333,6 +333,12 @@ def _check_values(cfg: Config) -> None:
             "decoder is configured for (a pretrained one was trained up to its own value); lower data.max_tokens "
             "or raise model.language.max_position_embeddings"
         )
+    _check_combinations(cfg)
+    _check_ranges(cfg)
+
+
+def _check_combinations(cfg: Config) -> None:
+    """Keys whose values are fine alone but not together."""
     if cfg.trainer.compile == "step" and (
         not cfg.data.static_shapes or cfg.data.packing != "packed" or cfg.trainer.strategy == "fsdp"
     ):
@@ -362,7 +368,6 @@ def _check_values(cfg: Config) -> None:
         raise ConfigError("data.train_weights must have one weight per data.train directory (or be empty)")
     if cfg.checkpoint.resume not in {"auto", "none"} and not cfg.checkpoint.resume:
         raise ConfigError("checkpoint.resume must be 'auto', 'none' or a checkpoint path")
-    _check_ranges(cfg)
 
 
 def _check_ranges(cfg: Config) -> None:

@@ -11,7 +11,7 @@
 #   install   only what is missing: the repository (pip install --no-deps -e ., no index), and packages whose
 #             wheels travel with the checkout in wheels/ (ignored by git; pip --no-index --find-links wheels,
 #             torch pinned to the installed build, never reinstalled); what is still missing -> install_notes.txt
-#   env       python, torch, CUDA, GPU, optional kernels (flash-attn, liger-kernel) -> env.json
+#   env       python, torch, CUDA, GPU, optional kernels (flash-attn, liger-kernel, torchvision) -> env.json
 #   demo      the procedural demo dataset, when data/demo is missing (what the benchmark trains on)
 #   pytest    python -m pytest -m gpu -> pytest_gpu.txt, pytest_gpu.xml
 #   decode    scripts/benchmark.py --sections decode: JPEG decode in a worker (Pillow) vs on the GPU (nvJPEG, batched
@@ -127,8 +127,9 @@ for req in [*deps, "pytest"]:
         print(name)
 EOF
   )
-  for dist in $missing flash-attn liger-kernel; do
+  for dist in $missing flash-attn liger-kernel torchvision; do
     case $dist in
+      torchvision) "$PY" -c "import torchvision.io" 2>/dev/null && continue ;;
       flash-attn) "$PY" -c "import flash_attn" 2>/dev/null && continue ;;
       liger-kernel) "$PY" -c "import liger_kernel" 2>/dev/null && continue ;;
     esac
@@ -167,7 +168,7 @@ try:
                       "capability": list(torch.cuda.get_device_capability(0)), "count": torch.cuda.device_count()}
 except Exception as e:
     env["torch_error"] = f"{type(e).__name__}: {e}"
-for mod in ("flash_attn", "liger_kernel", "triton", "nanovlm", "lightning", "transformers", "webdataset", "pytest"):
+for mod in ("flash_attn", "liger_kernel", "torchvision", "triton", "nanovlm", "lightning", "transformers", "webdataset", "pytest"):
     try:
         m = importlib.import_module(mod)
         env[mod] = getattr(m, "__version__", "present")

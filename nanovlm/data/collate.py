@@ -22,9 +22,8 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from nanovlm.constants import IGNORE_INDEX
-
-DEFERRED_KEY = "jpegs"  # a batch's JPEGs left for the device (device_decode.py)
+from nanovlm.constants import DEFERRED_JPEGS, IGNORE_INDEX
+from nanovlm.data.device_decode import Deferred
 
 
 class _Sample(Protocol):  # structural view of processing.ProcessedSample
@@ -66,7 +65,7 @@ def _pixels(samples: Sequence[_Sample], image_size: int, slots: int = 0) -> torc
     return torch.cat(imgs, 0)
 
 
-def _deferred(samples: Sequence[_Sample]) -> list[tuple[bytes, int, tuple[int, int, int, int], str]]:
+def _deferred(samples: Sequence[_Sample]) -> list[Deferred]:
     """(bytes, row in the batch's pixel_values, box, sample key) of every deferred JPEG (a sample's ``jpegs``,
     see processing.DeferredJpeg), for device_decode.py."""
     out, row = [], 0
@@ -79,7 +78,7 @@ def _deferred(samples: Sequence[_Sample]) -> list[tuple[bytes, int, tuple[int, i
 def _with_deferred(batch: dict[str, Any], samples: Sequence[_Sample]) -> dict[str, Any]:
     deferred = _deferred(samples)
     if deferred:  # only then: batches without deferred JPEGs keep their keys
-        batch[DEFERRED_KEY] = deferred
+        batch[DEFERRED_JPEGS] = deferred
     return batch
 
 

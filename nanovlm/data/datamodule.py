@@ -25,9 +25,10 @@ import torch
 from torch.utils.data import DataLoader
 
 from nanovlm.config import DataConfig, ModelConfig, image_token_count
+from nanovlm.constants import DEFERRED_JPEGS
 from nanovlm.data.accounting import DataCounters, SkipRateError
-from nanovlm.data.collate import DEFERRED_KEY, StaticLayout
-from nanovlm.data.device_decode import DeviceDecoder
+from nanovlm.data.collate import StaticLayout
+from nanovlm.data.device_decode import DeviceDecoder, check_decoder
 from nanovlm.data.index import load_index
 from nanovlm.data.loader import make_loader
 from nanovlm.data.processing import SampleProcessor
@@ -139,6 +140,8 @@ class PackedMultimodalDataModule(L.LightningDataModule):
             pad = self.tokenizer.pad_token_id
             self.pad_id = int(pad if pad is not None else 0)
             self.static = self._static_layout() if self.cfg.static_shapes else None
+            if self.cfg.image_decode == "device" and self.trainer is not None:
+                check_decoder(self.trainer.strategy.root_device)
         if self._pending_state is not None:
             state, self._pending_state = self._pending_state, None
             self.load_state_dict(state)
@@ -222,7 +225,7 @@ class PackedMultimodalDataModule(L.LightningDataModule):
     def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
         """Lightning's move to the device, then (``data.image_decode=device``) the pack's deferred JPEGs decoded
         into its ``pixel_values`` there. Their bytes stay on the host: nvJPEG parses them from host memory."""
-        deferred = batch.pop(DEFERRED_KEY, None) if isinstance(batch, dict) else None
+        deferred = batch.pop(DEFERRED_JPEGS, None) if isinstance(batch, dict) else None
         batch = super().transfer_batch_to_device(batch, device, dataloader_idx)
         if deferred:
             self.device_decoder(batch["pixel_values"], deferred)
@@ -302,7 +305,7 @@ class PackedMultimodalDataModule(L.LightningDataModule):
         """Counters since the last call (for the training loop's logger)."""
         out = self.counters.telemetry() | {"epoch": self.position.epoch, "epoch_position": self.position.consumed}
         if self.cfg.image_decode == "device":
-            out["device_decode_fallbacks"] = self.device_decoder.fallbacks
+            out |= self.device_decoder.counts()
         return out
 
     def pack_bytes(self) -> int:

@@ -4,23 +4,25 @@ Decoding and resizing images is most of a DataLoader worker's time on image-heav
 host's cores are few per GPU. With ``device`` decode the workers only open each JPEG's header (its size, for the
 grid and the token count), leave a grey canvas in its ``pixel_values`` row and hand the bytes on
 (``processing.DeferredJpeg``, gathered per pack by ``collate``). Once the pack is on the device,
-``decode_deferred`` decodes all its JPEGs in one call (nvJPEG through ``torchvision.io.decode_jpeg`` on CUDA),
+``DeviceDecoder`` decodes its JPEGs in batched calls (nvJPEG through ``torchvision.io.decode_jpeg`` on CUDA),
 resizes each (bicubic, antialiased, the worker path's filter) and writes it into its box on the canvas.
 
 Anything the device cannot take stays on the worker path: non-JPEG images, JPEGs that need an EXIF turn,
-CMYK JPEGs, files cut short, and images split into tiles. A batch the device decoder refuses is decoded image by
-image with Pillow instead (counted, logged); an image no decoder reads is an error naming its sample.
+CMYK JPEGs, files cut short, images over ``DEVICE_MAX_PIXELS`` (the worker's JPEG draft scaling decodes those at
+a fraction of their size; the device would hold them whole) and images split into tiles. A batch nvJPEG refuses
+is decoded image by image with Pillow instead (``fallbacks``); an image neither reads keeps its grey canvas and is
+logged with its sample's key and counted (``failures``), like a skip: the run goes on.
 
 Off CUDA (tests, a CPU run) the same path decodes with Pillow in the training process: the plumbing is the
-same, only the decoder differs. The two decoders' pixels differ by rounding, a unit or two of 255
-(``scripts/benchmark.py --sections decode`` measures both and their difference).
+same, only the decoder differs. The two paths' pixels differ by rounding; ``scripts/benchmark.py --sections
+decode`` measures by how much.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -28,59 +30,78 @@ import torch.nn.functional as F
 
 log = logging.getLogger(__name__)
 
-Deferred = tuple[bytes, int, tuple[int, int, int, int], str]  # (bytes, row, (x, y, w, h), sample key): collate
+Deferred = tuple[bytes, int, tuple[int, int, int, int], str]  # (bytes, row, (x, y, w, h) box, sample key)
+DEVICE_MAX_PIXELS = 16_000_000  # larger JPEGs are decoded in the worker (draft scaling) rather than held whole here
+DECODE_CHUNK = 8  # JPEGs per nvJPEG call: bounds the decoded images alive at once (8 x 16 MP x 3 B = 384 MB)
 
 
 @functools.cache
-def _nvjpeg():
+def _nvjpeg() -> Callable | str:
     """torchvision's decode_jpeg, or why it cannot be imported (it is only needed on CUDA)."""
     try:
         from torchvision.io import decode_jpeg
     except Exception as e:  # ImportError, or an operator missing for this torch build
-        return f"torchvision is not importable ({type(e).__name__}: {e})"
+        return f"torchvision is not importable ({type(e).__name__}: {e}); pip install -e .[decode]"
     return decode_jpeg
 
 
-def _pillow(data: bytes, key: str) -> torch.Tensor:
-    """One JPEG -> uint8 [3, H, W] on the CPU, with the worker path's decoder."""
+def check_decoder(device: torch.device) -> None:
+    """Fail now, not at the first batch, when ``device`` is CUDA and nvJPEG (torchvision) is missing."""
+    if device.type == "cuda" and isinstance(_nvjpeg(), str):
+        raise RuntimeError(f"data.image_decode=device on CUDA needs torchvision: {_nvjpeg()}")
+
+
+def _pillow(data: bytes, key: str) -> torch.Tensor | None:
+    """One JPEG -> uint8 [3, H, W] on the CPU with the worker path's decoder; None when it cannot read it."""
     from nanovlm.data.format import SampleError
     from nanovlm.data.processing import decode_image
 
     try:
         img = decode_image(data, key=key)
     except SampleError as e:
-        raise RuntimeError(f"sample {key!r}: its JPEG is unreadable on the device and in Pillow ({e})") from None
+        log.warning("sample %r: its JPEG is unreadable on the device and in Pillow (%s); its image stays grey", key, e)
+        return None
     return torch.from_numpy(np.asarray(img, dtype=np.uint8).transpose(2, 0, 1).copy())
 
 
 class DeviceDecoder:
-    """Decodes packs' deferred JPEGs onto their device; counts the batches that fell back to Pillow."""
+    """Decodes packs' deferred JPEGs onto their device, counting what fell back to Pillow or failed."""
 
     def __init__(self) -> None:
-        self.fallbacks = 0  # batches (CUDA) decoded image by image with Pillow after nvJPEG refused them
+        self.fallbacks = 0  # nvJPEG calls refused (one bad image fails a call), decoded with Pillow instead
+        self.failures = 0  # images no decoder read: left grey, logged
 
-    def decode(self, datas: Sequence[bytes], keys: Sequence[str], device: torch.device) -> list[torch.Tensor]:
-        """JPEG bytes -> uint8 [3, H, W] tensors on ``device``: one batched nvJPEG call on CUDA, else Pillow."""
+    def counts(self) -> dict[str, int]:
+        """Fallbacks and failures since the last call (telemetry)."""
+        out = {"device_decode_fallbacks": self.fallbacks, "device_decode_failures": self.failures}
+        self.fallbacks = self.failures = 0
+        return out
+
+    def decode(self, datas: Sequence[bytes], keys: Sequence[str], device: torch.device) -> list[torch.Tensor | None]:
+        """JPEG bytes -> uint8 [3, H, W] tensors on ``device`` (None: unreadable): one nvJPEG call on CUDA, else
+        (and for a call nvJPEG refuses) Pillow."""
         if device.type == "cuda":
-            decode_jpeg = _nvjpeg()
-            if isinstance(decode_jpeg, str):
-                raise RuntimeError(f"data.image_decode=device on CUDA needs torchvision: {decode_jpeg}")
-            inputs = [torch.frombuffer(bytearray(d), dtype=torch.uint8) for d in datas]
+            check_decoder(device)
             try:
-                return decode_jpeg(inputs, mode="RGB", device=device)
-            except RuntimeError as e:  # one bad image fails the whole call: no partial results
+                inputs = [torch.frombuffer(bytearray(d), dtype=torch.uint8) for d in datas]  # read on the host
+                return _nvjpeg()(inputs, mode="RGB", device=device)
+            except RuntimeError as e:  # no partial results: one bad image fails the whole call
                 self.fallbacks += 1
-                log.warning("nvJPEG refused a pack's JPEGs (%s); decoding them with Pillow (%s)", e, list(keys)[:4])
-        return [_pillow(d, k).to(device, non_blocking=True) for d, k in zip(datas, keys)]
+                log.warning("nvJPEG refused JPEGs of %s (%s); decoding them with Pillow", sorted(set(keys)), e)
+        images = [_pillow(d, k) for d, k in zip(datas, keys)]
+        return [None if img is None else img.to(device, non_blocking=True) for img in images]
 
     def __call__(self, pixel_values: torch.Tensor, deferred: Sequence[Deferred]) -> torch.Tensor:
         """Decode ``deferred`` (collate's list) into their rows of ``pixel_values`` [n, 3, S, S] uint8, in place."""
-        if not deferred:
-            return pixel_values
-        datas, rows, boxes, keys = zip(*deferred)
-        images = self.decode(datas, keys, pixel_values.device)
-        for img, row, (x, y, w, h) in zip(images, rows, boxes):
-            pixel_values[row, :, y : y + h, x : x + w] = resize_uint8(img, h, w)
+        for lo in range(0, len(deferred), DECODE_CHUNK):
+            datas, rows, boxes, keys = zip(*deferred[lo : lo + DECODE_CHUNK])
+            images = self.decode(datas, keys, pixel_values.device)
+            for i, (row, (x, y, w, h)) in enumerate(zip(rows, boxes)):
+                img, images[i] = images[i], None  # freed once pasted
+                if img is None:
+                    self.failures += 1
+                    continue
+                pixel_values[row, :, y : y + h, x : x + w] = resize_uint8(img, h, w)
         return pixel_values
 
 

@@ -31,6 +31,7 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 from nanovlm.config import DataConfig, ModelConfig, image_token_count
 from nanovlm.constants import IGNORE_INDEX, IMAGE_TOKEN
 from nanovlm.data import chat
+from nanovlm.data.device_decode import DEVICE_MAX_PIXELS
 from nanovlm.data.format import Record, SampleError
 from nanovlm.data.tiling import (
     GLOBAL_MARKER,
@@ -247,9 +248,12 @@ class DeferredJpeg:
 
 
 def device_decodable(img: Image.Image, data: bytes) -> bool:
-    """Whether an opened image can be decoded on the device instead: a complete RGB or grey JPEG that needs no
-    EXIF turn (the rest, and anything split into tiles, is decoded in the worker, as before)."""
-    if img.format != "JPEG" or img.mode not in ("RGB", "L") or data.rstrip(b"\0")[-2:] != JPEG_END:
+    """Whether an opened image can be decoded on the device instead: a complete RGB or grey JPEG of at most
+    ``DEVICE_MAX_PIXELS`` that needs no EXIF turn (the rest, and anything split into tiles, is decoded in the
+    worker, as before)."""
+    if img.format != "JPEG" or img.mode not in ("RGB", "L") or img.width * img.height > DEVICE_MAX_PIXELS:
+        return False
+    if data.rstrip(b"\0")[-2:] != JPEG_END:
         return False
     try:
         return img.getexif().get(0x0112) in (None, 1)

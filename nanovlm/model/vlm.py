@@ -18,7 +18,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from nanovlm.config import ModelConfig, image_token_count
-from nanovlm.constants import IGNORE_INDEX
+from nanovlm.constants import DEFERRED_JPEGS, IGNORE_INDEX
 from nanovlm.model.language import KVCache, LanguageModel, RMSNorm
 from nanovlm.model.loss import linear_cross_entropy, resolve_loss_kernel
 from nanovlm.model.projector import Projector
@@ -178,6 +178,11 @@ class NanoVLM(nn.Module):
         FLOPs (fp32 logits of every position of an 8192-token pack with a 49K vocabulary are 1.6 GB). The loss
         is the same up to float rounding (the head's GEMM sees fewer rows).
         """
+        if DEFERRED_JPEGS in batch:  # their rows of pixel_values are still grey canvases
+            raise ValueError(
+                "the batch still holds JPEGs to decode on the device (data.image_decode=device): move it with "
+                "PackedMultimodalDataModule.transfer_batch_to_device (Lightning does), or use data.image_decode=worker"
+            )
         if batch.get("static"):
             keys = ("input_ids", "labels", "position_ids", "cu_seqlens", "pixel_values")
             return self.static_forward(*(batch[k] for k in keys), return_logits=return_logits)

@@ -15,6 +15,7 @@ SLURM ``srun`` (Lightning reads the rank from the environment).
 
 from __future__ import annotations
 
+import logging
 import os
 from datetime import timedelta
 from pathlib import Path
@@ -29,6 +30,7 @@ from nanovlm.train import sharded
 from nanovlm.train.checkpoint import CheckpointWriteError, fsync_dir
 
 DIST_TIMEOUT = timedelta(minutes=30)
+log = logging.getLogger(__name__)
 
 
 def resolve_accelerator(cfg: TrainerConfig) -> str:
@@ -168,7 +170,12 @@ class ShardedCheckpointStrategy(ModelParallelStrategy):
         return sharded.read_meta(path)  # step, loops, DataModule and RNG states
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
-        self.finish_checkpoint()
+        if storage_options is not None:
+            raise TypeError("ShardedCheckpointStrategy takes no storage_options")
+        try:  # the save in flight first; its failure must not keep this one (maybe a stop's) from being tried
+            self.finish_checkpoint()
+        except CheckpointWriteError as e:
+            log.error("%s; writing the next checkpoint anyway", e)
         path = Path(self.broadcast(str(filepath)))
         tmp = path.with_name(path.name + ".tmp")
         if self.global_rank == 0 and tmp.exists():  # left by a killed save
@@ -178,15 +185,14 @@ class ShardedCheckpointStrategy(ModelParallelStrategy):
             if self.async_save:
                 self._pending = (self._save_async(checkpoint, tmp), tmp, path)
                 return
-            super().save_checkpoint(checkpoint, tmp, storage_options)
+            super().save_checkpoint(checkpoint, tmp)
         except (OSError, RuntimeError) as e:
-            raise CheckpointWriteError(
-                f"could not write sharded checkpoint {path}: {e}. Earlier checkpoints in {path.parent} are kept."
-            ) from e
+            raise _write_error(path, e) from e
         self.barrier("sharded-save-written")  # every rank's shards, DCP's .metadata and meta.pt are in tmp
-        if self.global_rank == 0:
-            _publish(tmp, path)
-        self.barrier("sharded-save-done")
+        error = _publish(tmp, path) if self.global_rank == 0 else None
+        error = self.broadcast(error)  # rank 0's outcome: every rank raises it, none waits on the others
+        if error is not None:
+            raise _write_error(path, error)
 
     def _save_async(self, checkpoint: dict[str, Any], tmp: Path) -> Any:
         """Stage this rank's shards in host memory and start writing them; DCP's future of the write."""
@@ -194,7 +200,7 @@ class ShardedCheckpointStrategy(ModelParallelStrategy):
         import torch.distributed.checkpoint as dcp
 
         if self._save_group is None:
-            self._save_group = dist.new_group(backend="gloo")
+            self._save_group = dist.new_group(backend="gloo", timeout=DIST_TIMEOUT)
         tmp.mkdir(parents=True, exist_ok=True)
         # the layout Lightning's synchronous save writes (and load_model_and_optimizers reads)
         state = {"state_dict": checkpoint.pop("state_dict")}
@@ -215,23 +221,36 @@ class ShardedCheckpointStrategy(ModelParallelStrategy):
         try:
             future.result()
         except Exception as e:
-            raise CheckpointWriteError(
-                f"could not write sharded checkpoint {path}: {e}. Earlier checkpoints in {path.parent} are kept."
-            ) from e
+            raise _write_error(path, e) from e
         if self.global_rank == 0:
-            _publish(tmp, path)
+            error = _publish(tmp, path)
+            if error is not None:
+                raise _write_error(path, error)
+            print(f"[checkpoint] wrote {path} in the background", flush=True)
 
     def teardown(self) -> None:
-        self.finish_checkpoint()
-        super().teardown()
+        try:
+            self.finish_checkpoint()
+        finally:
+            super().teardown()
 
 
-def _publish(tmp: Path, path: Path) -> None:
-    """A complete temp checkpoint directory -> ``path``, durably (rank 0)."""
-    with open(tmp / sharded.META_FILE, "rb") as f:  # DCP syncs its own files; torch.save does not
-        os.fsync(f.fileno())
-    fsync_dir(tmp)
-    if path.exists():  # the same step saved again (a rerun at the final step)
-        sharded.remove(path)
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
+def _write_error(path: Path, cause: object) -> CheckpointWriteError:
+    return CheckpointWriteError(
+        f"could not write sharded checkpoint {path}: {cause}. Earlier checkpoints in {path.parent} are kept."
+    )
+
+
+def _publish(tmp: Path, path: Path) -> str | None:
+    """A complete temp checkpoint directory -> ``path``, durably (rank 0); what went wrong, or None."""
+    try:
+        with open(tmp / sharded.META_FILE, "rb") as f:  # DCP syncs its own files; torch.save does not
+            os.fsync(f.fileno())
+        fsync_dir(tmp)
+        if path.exists():  # the same step saved again (a rerun at the final step)
+            sharded.remove(path)
+        os.replace(tmp, path)
+        fsync_dir(path.parent)
+    except OSError as e:
+        return f"{type(e).__name__}: {e}"
+    return None
