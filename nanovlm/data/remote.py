@@ -356,6 +356,10 @@ class ShardCache:
         with file_lock(self._lock_path(path)):  # one process fetches; the others then find it staged
             if not self._valid(path, info, quick=False):
                 self._fetch(url, path, info)
+        # A fetch's eviction skips copies other processes hold locked (fetching or checking them), so the cache
+        # may now be over its cap: whoever releases a lock trims it, so the last one leaves it within the cap.
+        with file_lock(self.dir / ".evict.lock"):
+            self._evict(0, keep=path.name)
         return path
 
     # -- internals ------------------------------------------------------------------------------------------
@@ -423,8 +427,9 @@ class ShardCache:
             except OSError as e:
                 raise RemoteError(f"cannot stage a shard in {self.dir}: {e} (is the disk full?)") from None
 
-    def _evict(self, incoming: int) -> None:
-        """Delete staged copies until ``incoming`` more bytes fit (the caller holds the cache-wide lock)."""
+    def _evict(self, incoming: int, keep: str = "") -> None:
+        """Delete staged copies (not ``keep``) until ``incoming`` more bytes fit (the caller holds the cache-wide
+        lock)."""
         staged, total = [], 0
         with contextlib.suppress(FileNotFoundError):
             for e in os.scandir(self.dir):
@@ -447,7 +452,7 @@ class ShardCache:
         for name, size, _ in staged:
             if total + incoming <= self.max_bytes:
                 break
-            if _try_remove(self.dir / name, self._lock_path(self.dir / name)):
+            if name != keep and _try_remove(self.dir / name, self._lock_path(self.dir / name)):
                 with self._mutex:
                     self._checked.discard(name)
                 total -= size
