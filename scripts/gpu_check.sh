@@ -212,7 +212,7 @@ run_part decode 60 "$PY" scripts/benchmark.py --sections decode "${DEC_ARGS[@]}"
 if [[ $DRY == 1 ]]; then # CPU, the small config, tiny sizes: the same commands and outputs, no GPU figure
   DEVICE=cpu
   RUNS=("dry_eager - 512 eager 40 60" "dry_step - 512 step 40 90")
-  SIZE_ARGS=(--set model.language.num_layers=1 --set model.vision.num_layers=1)
+  SIZE_ARGS=(--set model.language.num_layers=1 --set model.vision.num_layers=1 --compile-backend aot_eager)
 else
   DEVICE=cuda
   RUNS=( # in order of value: the deadline cuts from the end
