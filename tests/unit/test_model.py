@@ -449,7 +449,7 @@ def test_left_padded_batch_equals_alone():
 def test_generate_refuses_arguments_it_cannot_honour():
     """Negative budgets, nan temperatures, empty prompts and prompts past the trained context were a KV-cache
     error, a multinomial error, an IndexError, or (context) silently accepted."""
-    model = make_model().eval()
+    model = make_model(max_position_embeddings=160).eval()  # small: the last case generates up to it
     s = samples()[2]
     ids, pixels = s["input_ids"][None], s["pixel_values"]
     context = model.cfg.language.max_position_embeddings
