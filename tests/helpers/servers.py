@@ -1,5 +1,5 @@
-"""Real servers on loopback for the remote-dataset tests: an S3 API (moto's server mode) and an HTTP file server
-with byte ranges that can fail a share of its requests the ways networks and object stores fail (503 throttling,
+"""Real servers on loopback for the remote-dataset tests: an S3 API (moto's server mode), a GCS API
+(gcp-storage-emulator) and an HTTP file server with byte ranges that can fail a share of its requests the ways networks and object stores fail (503 throttling,
 a reset connection, a body cut short, a slow answer). Nothing here mocks a client: fsspec talks HTTP to them."""
 
 from __future__ import annotations
@@ -150,6 +150,30 @@ def s3_server(monkeypatch, bucket: str = "data"):
     finally:
         server.stop()
         fsspec.filesystem("s3").clear_instance_cache()
+
+
+@contextlib.contextmanager
+def gcs_server(monkeypatch, bucket: str = "data"):
+    """A Google Cloud Storage JSON API emulator (gcp-storage-emulator) on 127.0.0.1, found by clients through
+    STORAGE_EMULATOR_HOST as Google's own clients find one; no credentials. Yields (gcsfs filesystem, bucket)."""
+    import socket
+
+    from gcp_storage_emulator.server import create_server
+
+    with socket.socket() as s:  # a free port: the emulator does not report the one it bound
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = create_server("127.0.0.1", port, in_memory=True, default_bucket=bucket)
+    server.start()
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", f"http://127.0.0.1:{port}")
+    import fsspec
+
+    fs = fsspec.filesystem("gs", skip_instance_cache=True)
+    try:
+        yield fs, bucket
+    finally:
+        server.stop()
+        fsspec.filesystem("gs").clear_instance_cache()
 
 
 def upload(fs, local: Path, remote: str) -> None:
