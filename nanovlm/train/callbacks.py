@@ -239,10 +239,11 @@ class Telemetry(pl.Callback):
         skipped = float(sum((dt.get("skips_by_reason") or {}).values()))  # this rank's; summed with the rest
         remote = dt.get("remote") or {}  # remote datasets: this rank's workers' retries and fetches since the start
         values = [self.acc[k] for k in self.KEYS] + [skipped, remote.get("retries", 0), remote.get("fetched_bytes", 0)]
+        values += [dt.get(k, 0) for k in DECODE_KEYS]  # data.image_decode=device: since the last call
         totals = torch.tensor(values, dtype=torch.float64, device=pl_module.device)
         all_reduce_sum(totals)
         _, world = rank_world()
-        *summed, skipped, retries, fetched = totals.tolist()
+        *summed, skipped, retries, fetched, fallbacks, failures = totals.tolist()
         t = dict(zip(self.KEYS, summed))
         optimizer = trainer.optimizers[0]
         lang_group = next((g for g in optimizer.param_groups if g["name"].startswith("language")), None)
@@ -275,6 +276,8 @@ class Telemetry(pl.Callback):
             if remote:
                 metrics["train/remote_retries"] = retries
                 metrics["train/remote_fetched_gb"] = fetched / 1e9
+            if DECODE_KEYS[0] in dt:
+                metrics["train/device_decode_fallbacks"], metrics["train/device_decode_failures"] = fallbacks, failures
         if trainer.is_global_zero:
             self.history.append({"step": step, **metrics})
             for logger in trainer.loggers:
@@ -294,6 +297,9 @@ class Telemetry(pl.Callback):
                     print(line, flush=True)
         self._reset()
         self._t_prev_end = None
+
+
+DECODE_KEYS = ("device_decode_fallbacks", "device_decode_failures")  # DataModule.telemetry, with device decode
 
 
 def format_line(step: int, max_steps: int, m: dict[str, float]) -> str:

@@ -303,3 +303,5 @@ def test_device_jpeg_decode_trains_on_the_same_packs_as_worker_decode(small_demo
     losses = [(d[3], w[3]) for d, w in zip(runs["device"], runs["worker"])]
     assert abs(losses[0][0] - losses[0][1]) <= 5e-6 * abs(losses[0][1]), losses
     assert all(abs(d - w) <= 1e-3 * abs(w) for d, w in losses), losses
+    rows = list(csv.DictReader((tmp_path / "device" / "csv" / "metrics.csv").read_text().splitlines()))
+    assert [r["train/device_decode_failures"] for r in rows if r.get("train/loss")][-1] == "0.0"
