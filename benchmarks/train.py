@@ -186,6 +186,7 @@ class ModeRunner:
         head_everywhere: bool = False,
         whole_step: bool = False,
         compile_backend: str = "inductor",
+        cuda_graphs: bool = True,
     ):
         from nanovlm.model import build_model
         from nanovlm.train.strategies import apply_compile, compile_step
@@ -198,7 +199,7 @@ class ModeRunner:
         if compile_blocks:  # as trainer.compile does; compilation happens in the (untimed) warm-up
             apply_compile(self.model)
         if whole_step:  # trainer.compile=step, for static packs: the first warm-up step compiles
-            compile_step(self.model, device, backend=compile_backend)
+            compile_step(self.model, device, backend=compile_backend, cuda_graphs=cuda_graphs)
         self.model.train()
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4, fused=device.type == "cuda")
         self.dev_batches = [_to(b, device) for b in batches]
@@ -658,6 +659,7 @@ def layout_runners(
 
 
 STATIC_EAGER, STATIC_COMPILED = "packed/static eager", "packed/static compiled step"
+STATIC_NO_GRAPHS = "packed/static compiled step, no CUDA graphs"
 
 
 def static_runners(
@@ -666,20 +668,18 @@ def static_runners(
     """``--compile-step``: the packed plan as static packs, eager and with ``compile_step`` (trainer.compile=step;
     CUDA graphs on GPU), from the same seed, so that their first losses must agree. ``--compile`` (blocks) does not
     apply: trainer.compile is one or the other. ``--compile-backend``: inductor (what training uses), or e.g.
-    aot_eager, which captures the same one graph with its backward but generates no code (a quick check)."""
-    return [
+    aot_eager, which captures the same one graph with its backward but generates no code (a quick check). On CUDA
+    with inductor a third row compiles the same step without CUDA graphs: what the compiled kernels give alone."""
+    compiled = dict(whole_step=True, compile_backend=args.compile_backend)
+    runners = [
         ModeRunner(STATIC_EAGER, cfg, tokenizer, static, device, args.seed),
-        ModeRunner(
-            STATIC_COMPILED,
-            cfg,
-            tokenizer,
-            static,
-            device,
-            args.seed,
-            whole_step=True,
-            compile_backend=args.compile_backend,
-        ),
+        ModeRunner(STATIC_COMPILED, cfg, tokenizer, static, device, args.seed, **compiled),
     ]
+    if device.type == "cuda" and args.compile_backend == "inductor":
+        runners.append(
+            ModeRunner(STATIC_NO_GRAPHS, cfg, tokenizer, static, device, args.seed, **compiled, cuda_graphs=False)
+        )
+    return runners
 
 
 def backend_runners(
@@ -779,7 +779,7 @@ def measure(args: argparse.Namespace, log=print) -> TrainResult:
     results, by_name = _time_runners(layouts, extra, backends, args.reps, warmup, log)
     # MFU counts the work of the real samples (the packed plan's), also for static packs: their blank image slots
     # and their LM head on every position are a cost of the fixed shapes, not useful work
-    mfu_rows = [results.get(m) for m in ("packed", STATIC_EAGER, STATIC_COMPILED)] + backends
+    mfu_rows = [results.get(m) for m in ("packed", STATIC_EAGER, STATIC_COMPILED, STATIC_NO_GRAPHS)] + backends
     for res in mfu_rows:
         if res and "real_tokens_per_s" in res:
             res["mfu"] = _mfu(cfg, vocab, batches["packed"], res["real_tokens_per_s"]["median"], device)

@@ -18,7 +18,8 @@
 #             per pack, data.image_decode=device), images/s and host CPU per image -> decode.json / .md
 #   train_*   scripts/benchmark.py --sections train on configs/model_460m.yaml and model_222m.yaml at T = 16384 and
 #             8192: "eager" runs time packed vs pad-to-longest (torch_varlen; sdpa and flash_attn beside it at
-#             8192), "step" runs time packed vs static packs eager vs the compiled step (CUDA graphs), the "liger"
+#             8192), "step" runs time packed vs static packs eager vs the compiled step with and without CUDA
+#             graphs, the "liger"
 #             run the fused loss (when liger-kernel is installed), with MFU, peak memory and host vs device time
 #             per step -> train_<run>.json / .md
 #
@@ -218,13 +219,13 @@ else
   RUNS=( # in order of value: the deadline cuts from the end
     "222m_8k_eager model_222m.yaml 8192 eager 300 80"
     "460m_16k_eager model_460m.yaml 16384 eager 480 100"
-    "460m_16k_step model_460m.yaml 16384 step 480 180"
-    "222m_8k_step model_222m.yaml 8192 step 300 140"
+    "460m_16k_step model_460m.yaml 16384 step 480 240"
+    "222m_8k_step model_222m.yaml 8192 step 300 190"
     "222m_8k_liger model_222m.yaml 8192 liger 300 60"
     "222m_16k_eager model_222m.yaml 16384 eager 600 90"
     "460m_8k_eager model_460m.yaml 8192 eager 250 90"
-    "222m_16k_step model_222m.yaml 16384 step 600 140"
-    "460m_8k_step model_460m.yaml 8192 step 250 140"
+    "222m_16k_step model_222m.yaml 16384 step 600 190"
+    "460m_8k_step model_460m.yaml 8192 step 250 190"
   )
   # one factor at a time: torch_varlen and the PyTorch loss everywhere, except the row that compares each
   SIZE_ARGS=(--set model.attn_backend=torch_varlen --set model.loss_kernel=torch)
@@ -250,7 +251,7 @@ for spec in "${RUNS[@]}"; do
       cmd+=(--train-modes "packed,pad_to_longest")
       if ((T <= 8192)); then cmd+=(--backends "sdpa,flash_attn"); else cmd+=(--backends none); fi
       ;;
-    step) # packed vs static packs eager vs the compiled step (CUDA graphs)
+    step) # packed vs static packs eager vs the compiled step, with and without CUDA graphs
       cmd+=(--train-modes packed --compile-step --backends none) ;;
     liger) # the fused loss: this packed row against the eager run's packed row (PyTorch's chunked loss)
       if ! "$PY" -c "import liger_kernel" 2>/dev/null; then

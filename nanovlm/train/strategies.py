@@ -89,13 +89,14 @@ def apply_compile(model: nn.Module) -> None:
         block.compile()
 
 
-def compile_step(model: nn.Module, device: torch.device, backend: str = "inductor") -> None:
+def compile_step(model: nn.Module, device: torch.device, backend: str = "inductor", cuda_graphs: bool = True) -> None:
     """``trainer.compile=step``: ``torch.compile(fullgraph=True)`` of the model's static forward (``NanoVLM.
     static_forward``: embeddings, vision, decoder, head and loss), whose backward AOTAutograd compiles with it.
     Static packs give it one shape, so it compiles once; ``fullgraph`` makes a graph break an error instead of a
     silent slowdown. On CUDA, CUDA graphs (``mode="reduce-overhead"``) replay the whole step's kernels with one
-    launch, which is what a small model's host-bound step needs. The parameters and their names are untouched."""
-    mode = "reduce-overhead" if device.type == "cuda" and backend == "inductor" else None
+    launch, which is what a small model's host-bound step needs (``cuda_graphs=False``: the compiled kernels alone,
+    for the benchmark to tell the two apart). The parameters and their names are untouched."""
+    mode = "reduce-overhead" if device.type == "cuda" and backend == "inductor" and cuda_graphs else None
     model.static_forward = torch.compile(model.static_forward, fullgraph=True, backend=backend, mode=mode)
 
 
