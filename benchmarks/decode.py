@@ -2,7 +2,7 @@
 
 - **worker**: what a DataLoader worker does per image: open, decode with Pillow (JPEG draft scaling to the
   target size), bicubic resize, to a uint8 tensor; one core, one image at a time.
-- **device**: what ``nanovlm.data.device_decode.DeviceDecoder`` does per pack on ``--device``: one batched decode
+- **device**: what ``nanovlm.data.device_decode.DeviceDecoder`` does per pack on ``--device``: batched decodes
   (nvJPEG on CUDA; Pillow, without draft scaling, elsewhere), antialiased bicubic resize, paste into the pack's
   ``pixel_values``, synchronised.
 
@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from PIL import Image, ImageFilter
 
-from nanovlm.data.device_decode import DeviceDecoder
+from nanovlm.data.device_decode import DECODE_CHUNK, DeviceDecoder
 from nanovlm.data.processing import image_box, images_to_tensor, load_image, open_upright, resize_image
 
 IMAGE_SIZE = 512
@@ -117,6 +117,7 @@ def measure(args: argparse.Namespace, log) -> dict[str, Any]:
         "images": n,
         "image_size": IMAGE_SIZE,
         "pack_images": PACK_IMAGES,
+        "decode_chunk": DECODE_CHUNK,
         "source": args.decode_jpegs or f"synthetic photos {[list(s) for s in PHOTO_SIZES]}",
         "rows": rows,
         "pixel_diff_vs_worker_no_draft": {"mean": float(diff.mean()), "max": float(diff.max())},

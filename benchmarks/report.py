@@ -571,9 +571,10 @@ def render_remote(result: dict) -> str:
 def render_decode(result: dict) -> str:
     md = ["## JPEG decode: in a worker vs on the device (data.image_decode)", ""]
     md.append(
-        f"{result['images']} JPEGs ({result['source']}) to {result['image_size']} px. *worker*: Pillow with draft scaling and bicubic resize, one image at a "
-        f"time on one core; *device*: {result['decoder']} on {result['device']}, {result['pack_images']} images "
-        "per call, antialiased bicubic resize on the device. *host CPU*: the process's CPU time per image."
+        f"{result['images']} JPEGs ({result['source']}) to {result['image_size']} px. *worker*: Pillow with draft "
+        f"scaling and bicubic resize, one image at a time on one core; *device*: {result['decoder']} on "
+        f"{result['device']}, packs of {result['pack_images']} images, at most {result['decode_chunk']} per call, "
+        "antialiased bicubic resize on the device. *host CPU*: the process's CPU time per image."
     )
     md.append("")
     rows = [[r["path"], f"{r['images_per_s']:.0f}", f"{r['host_cpu_ms_per_image']:.2f}"] for r in result["rows"]]
