@@ -254,7 +254,7 @@ def _static_text(result: TrainResult) -> str:
         f" Static rows: the packed plan as static packs ({st['segments']} segments, {st['image_slots']} image "
         f"slots for {st['images_per_pack_mean']:.1f} images per pack on average), eager and with the whole step "
         f"compiled ({how}); compilation is in the warm-up; their MFU counts the real samples' work, as the packed "
-        "row's does." + (" The no-CUDA-graphs row compiles the same step without them." if cuda else "")
+        "row's does." + (" The no-CUDA-graphs row compiles the same step without them." if "CUDA graphs" in how else "")
     )
     counters = result.modes.get(STATIC_COMPILED, {}).get("compile_counters")
     if counters:

@@ -211,10 +211,12 @@ class ShardedCheckpointStrategy(ModelParallelStrategy):
             torch.save(checkpoint, tmp / sharded.META_FILE)  # step, loops, DataModule and RNG states
         return future
 
-    def finish_checkpoint(self) -> None:
+    def finish_checkpoint(self, agree: bool = True) -> None:
         """Wait for the save in flight, if any, and publish it. Every rank waits for its own writes; rank 0
         renames, as soon as its future resolves: DCP resolves it only after the coordinator has gathered every
-        rank's writes and written ``.metadata``."""
+        rank's writes and written ``.metadata``. ``agree``: every rank calls this at the same point (a save, a
+        load, a stop), so rank 0's outcome is broadcast and all raise alike; teardown, where another rank may have
+        failed already, does not."""
         if self._pending is None:
             return
         future, tmp, path = self._pending
@@ -223,15 +225,17 @@ class ShardedCheckpointStrategy(ModelParallelStrategy):
             future.result()
         except Exception as e:
             raise _write_error(path, e) from e
+        error = _publish(tmp, path) if self.global_rank == 0 else None
+        if agree:
+            error = self.broadcast(error)
+        if error is not None:
+            raise _write_error(path, error)
         if self.global_rank == 0:
-            error = _publish(tmp, path)
-            if error is not None:
-                raise _write_error(path, error)
             print(f"[checkpoint] wrote {path} in the background", flush=True)
 
     def teardown(self) -> None:
         try:
-            self.finish_checkpoint()
+            self.finish_checkpoint(agree=False)
         finally:
             super().teardown()
 

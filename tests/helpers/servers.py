@@ -156,15 +156,11 @@ def s3_server(monkeypatch, bucket: str = "data"):
 def gcs_server(monkeypatch, bucket: str = "data"):
     """A Google Cloud Storage JSON API emulator (gcp-storage-emulator) on 127.0.0.1, found by clients through
     STORAGE_EMULATOR_HOST as Google's own clients find one; no credentials. Yields (gcsfs filesystem, bucket)."""
-    import socket
-
     from gcp_storage_emulator.server import create_server
 
-    with socket.socket() as s:  # a free port: the emulator does not report the one it bound
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = create_server("127.0.0.1", port, in_memory=True, default_bucket=bucket)
-    server.start()
+    server = create_server("127.0.0.1", 0, in_memory=True, default_bucket=bucket)
+    server.start()  # returns once its HTTP server is bound; the port it got is only on that object
+    port = server._api._httpd.server_address[1]
     monkeypatch.setenv("STORAGE_EMULATOR_HOST", f"http://127.0.0.1:{port}")
     import fsspec
 
