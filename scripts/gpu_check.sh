@@ -19,9 +19,9 @@
 #   train_*   scripts/benchmark.py --sections train on configs/model_460m.yaml and model_222m.yaml at T = 16384 and
 #             8192: "eager" runs time packed vs pad-to-longest (torch_varlen; sdpa and flash_attn beside it at
 #             8192), "step" runs time packed vs static packs eager vs the compiled step with and without CUDA
-#             graphs, the "liger"
-#             run the fused loss (when liger-kernel is installed), with MFU, peak memory and host vs device time
-#             per step -> train_<run>.json / .md
+#             graphs, the "liger" run the fused loss (when liger-kernel is installed), with MFU, peak memory and
+#             host vs device time per step -> train_<run>.json / .md
+#   summary   summary.json (every part, headline figures) and summary.md (one markdown table of them)
 #
 # Knobs (environment): OUT, GPU_CHECK_BUDGET_S, GPU_CHECK_REPS (3), GPU_CHECK_RUNS (the runs to do, in that order,
 # comma-separated names from RUNS below; default all), GPU_CHECK_BENCH_ARGS (extra benchmark arguments, e.g.
@@ -332,6 +332,25 @@ for name, t in train.items():
         print(f"  {name:<22} {r['row']:<28} tokens/s {fmt(r.get('real_tokens_per_s'))}  step ms "
               f"{fmt(r.get('step_ms_median'))}  MFU% {fmt(r.get('mfu'), 100)}  host/device ms "
               f"{fmt(r.get('host_ms'))}/{fmt(r.get('device_ms'))}  {r.get('error') or r.get('unavailable') or ''}")
+# summary.md: the same figures as one markdown table (what the README's GPU table is made from)
+gpu = (summary["env"] or {}).get("gpu", {}).get("name", "no GPU")
+md = [f"GPU: {gpu}; `bash scripts/gpu_check.sh` ({wall} s). Per run: packed over pad-to-longest real tokens/s and "
+      "the share of the ideal (the ratio of their fills).", "",
+      "| run | row | real tokens/s | step ms | MFU | peak MB | host / device ms per step |", "|---|---|---|---|---|---|---|"]
+for name, t in train.items():
+    for r in t.get("rows", []):
+        note = r.get("error") or r.get("unavailable")
+        cells = [fmt(r.get("real_tokens_per_s")), fmt(r.get("step_ms_median")), fmt(r.get("mfu"), 100) + ("%" if r.get("mfu") else ""),
+                 fmt(r.get("peak_memory_mb")), f"{fmt(r.get('host_ms'))} / {fmt(r.get('device_ms'))}"]
+        md.append(f"| {name[6:]} | {r['row']} | " + (f"{note} | | | | |" if note else " | ".join(cells) + " |"))
+    ratio = t.get("packed_over_padded") or {}
+    if ratio.get("actual_ratio") is not None:
+        md.append(f"| {name[6:]} | packed / padded | {ratio['actual_ratio']:.2f}x of {ratio['ideal_ratio']:.2f}x "
+                  f"({100 * ratio['fraction_of_ideal']:.0f}%) | | | | |")
+for r in (summary["decode"] or {}).get("rows", []):
+    md.append(f"| decode | JPEG, {r['path']} | {r['images_per_s']:.0f} images/s | | | | "
+              f"{r['host_cpu_ms_per_image']:.2f} host CPU ms/image |")
+(out / "summary.md").write_text("\n".join(md) + "\n")
 EOF
 echo "== gpu_check done in $(($(date +%s) - START))s; log $LOG"
 exit 0

@@ -343,5 +343,7 @@ def test_gpu_check_dry_run_records_every_part(tmp_path, make_dataset, tiny_token
     # off CUDA both decode paths use Pillow: only the resize filters differ, by rounding
     assert decode["decoder"].startswith("Pillow") and decode["pixel_diff_vs_worker_no_draft"]["max"] <= 4
     assert {"packed", "pad_to_longest", "packed/sdpa"} <= eager_rows
+    table = (out / "summary.md").read_text()
+    assert "| dry_step | packed/static compiled step |" in table and "| decode | JPEG, device |" in table
     for name in ("env.json", "gpu_check.log", "train_dry_eager.json", "train_dry_step.md", "pytest_gpu.xml"):
         assert (out / name).stat().st_size > 0, name
