@@ -107,6 +107,18 @@ def safe_load(state: dict[str, Any], path: str | os.PathLike, no_dist: bool = Fa
         raise
 
 
+def optimizer_key(i: int) -> str:
+    return f"optimizer_{i}"  # Lightning's key for optimizer i in a distributed checkpoint: its saves load too
+
+
+def tensor_state(checkpoint: dict[str, Any]) -> dict[str, Any]:
+    """Pop a Lightning checkpoint's sharded tensors into the layout DCP writes (``state_dict``, ``optimizer_<i>``);
+    what stays in ``checkpoint`` is ``META_FILE``'s."""
+    state = {"state_dict": checkpoint.pop("state_dict")}
+    state.update({optimizer_key(i): s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
+    return state
+
+
 def load_model_and_optimizers(path: Path, module: torch.nn.Module, optimizers: list, strict: bool = True) -> None:
     """Load a sharded checkpoint into an FSDP2 ``module`` and its ``optimizers`` (a collective: every rank calls
     it). The state dicts asked for carry this run's sharding, so DCP reshards a checkpoint of another world size."""
@@ -121,7 +133,7 @@ def load_model_and_optimizers(path: Path, module: torch.nn.Module, optimizers: l
     safe_load(state, path)
     module.load_state_dict(state["state_dict"], strict=strict)
     for i, optimizer in enumerate(optimizers):
-        key = f"optimizer_{i}"  # Lightning's key when it saved them
+        key = optimizer_key(i)
         ostate = {key: get_optimizer_state_dict(module, optimizer)}
         safe_load(ostate, path)
         set_optimizer_state_dict(

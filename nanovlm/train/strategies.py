@@ -183,30 +183,32 @@ class ShardedCheckpointStrategy(ModelParallelStrategy):
             sharded.remove(tmp)
         self.barrier("sharded-save-start")
         try:
-            if self.async_save:
-                self._pending = (self._save_async(checkpoint, tmp), tmp, path)
-                return
-            super().save_checkpoint(checkpoint, tmp)
+            future = self._write(checkpoint, tmp)
         except (OSError, RuntimeError) as e:
             raise _write_error(path, e) from e
+        if future is not None:
+            self._pending = (future, tmp, path)
+            return
         self.barrier("sharded-save-written")  # every rank's shards, DCP's .metadata and meta.pt are in tmp
         error = _publish(tmp, path) if self.global_rank == 0 else None
         error = self.broadcast(error)  # rank 0's outcome: every rank raises it, none waits on the others
         if error is not None:
             raise _write_error(path, error)
 
-    def _save_async(self, checkpoint: dict[str, Any], tmp: Path) -> Any:
-        """Stage this rank's shards in host memory and start writing them; DCP's future of the write."""
+    def _write(self, checkpoint: dict[str, Any], tmp: Path) -> Any:
+        """Write this rank's shards (and, on rank 0, ``META_FILE``) into ``tmp``. With ``async_save``: stage the
+        shards in host memory, start writing them and return DCP's future of the write; else None, written."""
         import torch.distributed as dist
         import torch.distributed.checkpoint as dcp
 
-        if self._save_group is None:
-            self._save_group = dist.new_group(backend="gloo", timeout=DIST_TIMEOUT)
         tmp.mkdir(parents=True, exist_ok=True)
-        # the layout Lightning's synchronous save writes (and load_model_and_optimizers reads)
-        state = {"state_dict": checkpoint.pop("state_dict")}
-        state.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
-        future = dcp.async_save(state, checkpoint_id=tmp, process_group=self._save_group)
+        state, future = sharded.tensor_state(checkpoint), None
+        if self.async_save:
+            if self._save_group is None:
+                self._save_group = dist.new_group(backend="gloo", timeout=DIST_TIMEOUT)
+            future = dcp.async_save(state, checkpoint_id=tmp, process_group=self._save_group)
+        else:
+            dcp.save(state, checkpoint_id=tmp)
         if self.global_rank == 0:
             torch.save(checkpoint, tmp / sharded.META_FILE)  # step, loops, DataModule and RNG states
         return future
