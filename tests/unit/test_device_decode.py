@@ -154,3 +154,15 @@ def test_config_refuses_device_decode_with_tiles_and_unknown_values():
         load_config(["tiles_cpu.yaml"], ["data.image_decode=device"])
     with pytest.raises(ConfigError, match="data.image_decode"):
         load_config(["tiny_cpu.yaml"], ["data.image_decode=gpu"])
+
+
+def test_device_decode_on_cuda_without_torchvision_fails_before_training():
+    from nanovlm.data.device_decode import _nvjpeg, check_decoder
+
+    if not isinstance(_nvjpeg(), str):
+        pytest.skip("torchvision imports here: nothing is missing")
+    check_decoder(torch.device("cpu"))  # off CUDA Pillow decodes: nothing needed
+    with pytest.raises(
+        RuntimeError, match="data.image_decode=device on CUDA needs torchvision.*pip install -e .\\[decode\\]"
+    ):
+        check_decoder(torch.device("cuda"))
