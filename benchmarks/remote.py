@@ -167,7 +167,7 @@ def epoch_rate(cfg, tokenizer) -> dict[str, Any]:
 
     dm = PackedMultimodalDataModule(cfg.data, cfg.model, tokenizer=tokenizer, rank=0, world_size=1, pin_memory=False)
     dm.setup("fit")
-    n_batches = dm.current_plan().batches_per_rank()
+    n_batches = dm.current_split().batches_per_rank()
     it = iter(dm.train_dataloader())
     t_first, cpu0 = time.perf_counter(), time.process_time()
     next(it)

@@ -410,23 +410,26 @@ def render_scale(result: ScaleResult) -> str:
     md.append(
         "Per process, before its first read, for 64 ranks x 8 workers and 8,192-token packs (synthetic index, "
         "1,000 shards, one image per sample). *first*: the index as the page cache holds it (read from disk when "
-        "cold); *again*: a second process, columns cached. *plan s*: today's whole-epoch plan (every process plans every slot); "
-        "*elastic s*: re-planning a half-consumed epoch onto 48 x 8. PSS from /proc/self/smaps_rollup: *own* = "
+        "cold); *again*: a second process, columns cached. *split s*: the epoch order, its cut into slots and the "
+        "pack count (vectorised, in every process); *slot s*: a worker packing its own slot; *resumed*: the same "
+        "for a worker halfway through the epoch; *elastic*: a half-consumed epoch resumed on 48 x 8 (every old "
+        "slot packed once), then the worker's new slot. PSS from /proc/self/smaps_rollup after planning: *own* = "
         "anonymous pages, *mapped* = the index columns' file pages (shared by every process of a node); *worker* = "
         "a process forked from it that reads the length columns."
     )
     rows = []
     for r in result.rows:
         pss, worker = r["pss_mb"], r["worker_pss_mb"]
-        plan = [f"{r['plan_s']:.1f}", f"{r['elastic_plan_s']:.1f}"] if "plan_s" in r else ["not run", "not run"]
+        elastic = f"{r['elastic_split_s']:.1f} + {r['elastic_slot_s']:.2f}" if "elastic_split_s" in r else "not run"
         rows.append(
             [f"{r['n']:,}", f"{r['open_s'] * 1e3:.0f} / {r['again']['open_s'] * 1e3:.0f}",
-             f"{r['table_s']:.2f} / {r['again']['table_s']:.2f}", *plan,
+             f"{r['table_s']:.2f} / {r['again']['table_s']:.2f}", f"{r['split_s']:.2f}", f"{r['slot_s']:.2f}",
+             f"{r['resume_split_s']:.2f} + {r['resume_slot_s']:.2f}", elastic,
              f"{pss.get('Pss_Anon', 0):.0f}", f"{pss.get('Pss_File', 0):.0f}", f"{worker.get('Pss_Anon', 0):.0f}",
              f"{r['peak_rss_mb']:.0f}", f"{r['index_bytes'] / 2**30:.2f}"]
         )  # fmt: skip
-    headers = ["samples", "open ms (first / again)", "table s (first / again)", "plan s", "elastic s", "own PSS MB", "mapped PSS MB",
-               "worker own PSS MB", "peak RSS MB", "index GiB"]  # fmt: skip
+    headers = ["samples", "open ms (first / again)", "table s (first / again)", "split s", "slot s", "resumed s",
+               "elastic s", "own PSS MB", "mapped PSS MB", "worker own PSS MB", "peak RSS MB", "index GiB"]  # fmt: skip
     md += ["", markdown_table(headers, rows)]
     p = result.prepare
     if p:

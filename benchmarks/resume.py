@@ -183,7 +183,7 @@ def measure(args: argparse.Namespace, log=print) -> ResumeResult:
         demo_dirs(cfg)
     dm = PackedMultimodalDataModule(cfg.data, cfg.model, rank=0, world_size=1, pin_memory=False)
     dm.setup("fit")
-    per_epoch = dm.current_plan().batches_per_rank()
+    per_epoch = dm.current_split().batches_per_rank()
     where = positions(per_epoch)
     in_process = args.quick  # --quick: no new interpreter per measurement (imports not counted)
     workdir = Path(args.workdir)

@@ -7,8 +7,10 @@ stat them, planning never reads them). A fresh child process per size then times
 * opening the index (``load_index``: meta.json, every column mapped and checked), measured twice: first with
   whatever the page cache holds, then again with the columns cached (the second process of a node),
 * building the sample table (the length columns for the run's model),
-* the epoch plan for 64 ranks x 8 workers (fresh), and the elastic re-plan of a half-consumed epoch onto
-  48 x 8; the plan is skipped above ``--scale-plan-max`` samples, where it would not fit this machine,
+* what a DataLoader worker of 64 ranks x 8 workers does before its first read: the epoch's split and pack count
+  (vectorised, every process) and the packing of its own slot, fresh and resumed mid-epoch; and after an
+  elastic resume of a half-consumed epoch onto 48 x 8, which packs every old slot once (skipped above
+  ``--scale-plan-max`` samples),
 
 and reports its proportional set size (PSS, ``/proc/self/smaps_rollup``) split into anonymous memory (its own)
 and file-backed pages (the mapped columns, shared by every process of a node), plus the PSS of a process
@@ -101,7 +103,7 @@ def _pss() -> dict[str, float]:
 def child(directory: str, plan_max: int) -> dict[str, Any]:
     """The measurement of one size, run in a fresh process (``python -m benchmarks.scale DIR PLAN_MAX``)."""
     from nanovlm.data.index import load_index
-    from nanovlm.data.shards import ConsumedPart, PackSpec, SampleTable, Topology, build_epoch_plan
+    from nanovlm.data.shards import ConsumedPart, PackSpec, SampleTable, Topology, pack_slot, plan_split
 
     t0 = time.perf_counter()
     idx = load_index(directory)
@@ -109,15 +111,23 @@ def child(directory: str, plan_max: int) -> dict[str, Any]:
     table = SampleTable.from_indexes([(directory, idx)], 64)
     t_table = time.perf_counter()
     out: dict[str, Any] = {"n": len(table), "open_s": t_open - t0, "table_s": t_table - t_open}
-    spec = PackSpec(max_tokens=8192, max_images=64)
-    if len(table) <= plan_max:
-        plan = build_epoch_plan(table, spec, Topology(64, 8), seed=0, epoch=0)
-        t_plan = time.perf_counter()
-        half = ConsumedPart(64, 8, plan.batches_per_rank() // 2)
-        build_epoch_plan(table, spec, Topology(48, 8), seed=0, epoch=0, history=[half])
-        out |= {"plan_s": t_plan - t_table, "elastic_plan_s": time.perf_counter() - t_plan}
-        out["packs_per_slot"] = plan.packs_per_slot
-        del plan
+    spec, topo = PackSpec(max_tokens=8192, max_images=64), Topology(64, 8)
+
+    def worker_plan(topology: Topology, slot: int, history=()) -> tuple[float, float, Any]:
+        """What one DataLoader worker does before its first read: the epoch's split, then its own slot packed."""
+        t = time.perf_counter()
+        split = plan_split(table, spec, topology, seed=0, epoch=0, history=history)
+        t_split = time.perf_counter()
+        pack_slot(table, spec, split, slot)
+        return t_split - t, time.perf_counter() - t_split, split
+
+    out["split_s"], out["slot_s"], split = worker_plan(topo, 0)
+    out["packs_per_slot"] = split.packs_per_slot
+    half = split.batches_per_rank() // 2  # resumed mid-epoch: the same split, a slot halfway through the ranks
+    out["resume_split_s"], out["resume_slot_s"], _ = worker_plan(topo, topo.num_slots // 2 + 3)
+    del split
+    if len(table) <= plan_max:  # elastic onto 48 x 8: every old slot packed once (O(N)) to find what is left
+        out["elastic_split_s"], out["elastic_slot_s"], _ = worker_plan(Topology(48, 8), 5, [ConsumedPart(64, 8, half)])
     out["pss_mb"] = _pss()
     read, write = os.pipe()
     pid = os.fork()
@@ -183,7 +193,7 @@ def measure(args: argparse.Namespace, log) -> ScaleResult:
         for _ in range(2):  # the first run reads the columns from disk (or a cold page cache), the second does not
             proc = subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True, text=True)
             runs.append(json.loads(proc.stdout.strip().splitlines()[-1]))
-        row = runs[0] | {"again": {k: runs[1][k] for k in ("open_s", "table_s", "plan_s") if k in runs[1]}}
+        row = runs[0] | {"again": {k: runs[1][k] for k in ("open_s", "table_s", "split_s", "slot_s") if k in runs[1]}}
         row["index_bytes"] = sum(f.stat().st_size for f in (directory / "index").iterdir())
         result.rows.append(row)
         log(f"[scale] {n:,}: {row}")

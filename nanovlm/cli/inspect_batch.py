@@ -111,9 +111,9 @@ def describe_plan(summary: dict, max_tokens: int) -> list[str]:
     lines.append(
         f"epoch plan: {summary['samples_per_epoch']} samples, {summary['tokens_per_epoch']} tokens -> "
         f"{summary['packs_per_epoch']} packs of {max_tokens} slots"
-        + (f" (planned fill {fill:.1%})" if fill is not None else "")
-        + f"; {summary['batches_per_rank_per_epoch']} batches per rank; {summary['carried_to_next_epoch']} samples "
-        f"carried to the next epoch; planned skips {', '.join(f'{r}={n}' for r, n in skips.items()) or 'none'}; "
+        + (f" (planned fill {fill:.1%} in this rank's first slot)" if fill is not None else "")
+        + f"; {summary['batches_per_rank_per_epoch']} batches per rank; {summary['slot_carry_out']} samples "
+        f"carried from that slot to the next epoch; planned skips {', '.join(f'{r}={n}' for r, n in skips.items()) or 'none'}; "
         f"queue memory {summary['queue_memory_mb']} MB"
     )
     return lines

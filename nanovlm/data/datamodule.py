@@ -3,10 +3,11 @@
 The Lightning face of the data pipeline; each job lives in its own module:
 
 * ``shards``: the deterministic epoch plan (order from (seed, epoch), split over world_size x workers slots
-  balanced by tokens, packed per slot, every slot cut to the same number of packs K; the cut samples open the
-  next epoch). Every rank computes the same plan, so ranks agree on steps without talking.
+  balanced by tokens; every slot yields the same number of packs K, a bound every process computes from token
+  sums, and carries what is left into its own next chunk). Ranks agree on steps without talking, and each
+  DataLoader worker packs only its own slot.
 * ``stream`` / ``loader``: the rank's batches, read by one background producer per DataLoader worker.
-* ``state``: the position saved in checkpoints (epoch, batches consumed, samples carried in) and its
+* ``state``: the position saved in checkpoints (epoch, batches consumed, the slots' carries) and its
   restoring, exactly or re-planned for another world size or worker count.
 * ``accounting``: skip counts (``data.max_skip_rate``) and telemetry.
 
@@ -33,7 +34,7 @@ from nanovlm.data.index import load_index
 from nanovlm.data.loader import make_loader
 from nanovlm.data.processing import SampleProcessor
 from nanovlm.data.remote import shard_cache
-from nanovlm.data.shards import EpochPlan, PackSpec, SampleTable, Topology
+from nanovlm.data.shards import Carry, EpochPlan, EpochSplit, PackSpec, SampleTable, Topology, pack_all, pack_slot
 from nanovlm.data.state import DataState, DataStateError, Position, check_fingerprint, fingerprint, restore
 from nanovlm.data.stream import DataMismatchError, PackStream, StreamSpec
 from nanovlm.data.tiling import ImageLayout
@@ -98,7 +99,8 @@ class PackedMultimodalDataModule(L.LightningDataModule):
         self.position = Position()
         self.counters = DataCounters()
         self.device_decoder = DeviceDecoder()  # data.image_decode=device: decodes packs' JPEGs after the move
-        self._plan_cache: tuple[tuple, EpochPlan] | None = None
+        self._split_cache: tuple[tuple, EpochSplit] | None = None
+        self._carry_out: dict[int, np.ndarray] = {}  # slot -> what its last pack of this epoch carries on
         self._pending_state: dict | None = None
         self._planned_per_ds: np.ndarray | None = None
 
@@ -179,22 +181,31 @@ class PackedMultimodalDataModule(L.LightningDataModule):
             prefetch_shards=self.cfg.prefetch_shards,
         )
 
-    def current_plan(self) -> EpochPlan:
-        """The plan of the epoch the stream is in (cached; O(N) metadata work to build)."""
+    def current_split(self) -> EpochSplit:
+        """The split of the epoch the stream is in (cached; vectorised O(N) metadata work, no packing, unless the
+        epoch was resumed on another topology)."""
         pos = self.position
-        key = (pos.epoch, tuple(pos.carry_in.tolist()), pos.history, self.topology)
-        if self._plan_cache is None or self._plan_cache[0] != key:
-            self._plan_cache = (key, self._stream_spec().plan(pos))
-        return self._plan_cache[1]
+        key = (pos.epoch, pos.carry.key(), pos.history, self.topology)
+        if self._split_cache is None or self._split_cache[0] != key:
+            self._split_cache = (key, self._stream_spec().split(pos))
+        return self._split_cache[1]
+
+    def current_plan(self) -> EpochPlan:
+        """Every slot's packs of the current epoch (O(N) packing; needs every slot's carry, so after a restore or
+        in one process): for tools and tests. Training packs only this rank's slots."""
+        return pack_all(self.table, self.spec, self.current_split())
+
+    def _own_slots(self) -> range:
+        spr = self.topology.slots_per_rank
+        return range(self.rank * spr, (self.rank + 1) * spr)
 
     def _planned_samples(self) -> np.ndarray:
-        """Samples per directory planned for this rank in the current epoch (the skip-rate denominators; computed
-        on first use, so a resume builds only the restored epoch's plan)."""
+        """Samples per directory in this rank's chunks of the current epoch (the skip-rate denominators;
+        computed on first use, so a resume builds only the restored epoch's split)."""
         if self._planned_per_ds is None:
-            plan = self.current_plan()
-            pos = plan.rank_positions(self.rank)
-            n_dirs = len(self.table.dataset_names)
-            self._planned_per_ds = np.bincount(self.table.dataset_of(plan.order[pos]), minlength=n_dirs)
+            split = self.current_split()
+            gids = np.concatenate([split.chunk(s) for s in self._own_slots()])
+            self._planned_per_ds = np.bincount(self.table.dataset_of(gids), minlength=len(self.table.dataset_names))
         return self._planned_per_ds
 
     # ---- loaders ---------------------------------------------------------------------------------------------
@@ -210,7 +221,9 @@ class PackedMultimodalDataModule(L.LightningDataModule):
         """Infinite stream of this rank's batches from the saved position on."""
         if self.table is None:
             self.setup("fit")
-        return self._loader(PackStream(self._stream_spec(), dataclasses.replace(self.position), self.current_plan()))
+        own = self._own_slots()
+        split = self.current_split().restrict(own.start, own.stop)
+        return self._loader(PackStream(self._stream_spec(), dataclasses.replace(self.position), split))
 
     def val_dataloader(self) -> DataLoader | list:
         """Finite, deterministic packed validation batches (epoch 0 order, no shuffling); [] without data.val."""
@@ -248,9 +261,12 @@ class PackedMultimodalDataModule(L.LightningDataModule):
             names, rate = self.table.dataset_names, self.cfg.max_skip_rate
             self.counters.check_skip_rate(self._planned_samples(), names, epoch, rate)
         self.position.consumed = index + 1
-        if meta.get("epoch_end"):  # epoch done: its cut packs open the next one
+        if "slot_carry" in meta:  # a slot's last pack: what it left opens its next chunk
+            self._carry_out[int(meta["worker_slot"])] = np.asarray(meta["slot_carry"], np.int64)
+        if meta.get("epoch_end"):
             self.counters.end_epoch(epoch, self.rank)
-            self.position = Position(epoch + 1, 0, np.asarray(meta["carry_out"], np.int64), ())
+            carry = Carry(self._carry_out, np.asarray(meta["carry_bound"], np.int64).reshape(-1, 3))
+            self.position, self._carry_out = Position(epoch + 1, 0, carry, ()), {}
             self._planned_per_ds = None
 
     # ---- state -------------------------------------------------------------------------------------------------
@@ -264,11 +280,14 @@ class PackedMultimodalDataModule(L.LightningDataModule):
             return {}
         pos = self.position
         mine = self.counters.rank_state(self.rank, pos.epoch, pos.consumed)
+        if pos.carry.slots:
+            mine.carry_in = [pos.carry.slots[s].tolist() for s in self._own_slots()]
         ranks = all_gather_object(mine) if self.world_size > 1 else [mine]
         state = DataState(
             world_size=self.world_size,
             num_workers=self.cfg.num_workers,
-            carry_in=pos.carry_in.tolist(),
+            carry_prefix=pos.carry.prefix.tolist(),
+            carry_bound=pos.carry.bound.tolist(),
             history=[dataclasses.astuple(h) for h in pos.history],
             config=self._fingerprint(),
             dataset_names=list(self.table.dataset_names),
@@ -291,11 +310,12 @@ class PackedMultimodalDataModule(L.LightningDataModule):
         saved = DataState.from_dict(state)
         check_fingerprint(saved, self._fingerprint(), list(self.table.dataset_names))
 
-        def plan(pos: Position) -> EpochPlan:
+        def split(pos: Position) -> EpochSplit:
             self.position = pos
-            return self.current_plan()
+            return self.current_split()
 
-        self.position, skip_ranks = restore(saved, self.topology, self.rank, len(self.table), plan)
+        self.position, skip_ranks = restore(saved, self.topology, self.rank, len(self.table), split)
+        self._carry_out = {}
         self.counters.restore(skip_ranks)
         self._planned_per_ds = None
 
@@ -315,19 +335,18 @@ class PackedMultimodalDataModule(L.LightningDataModule):
         return tokens * 8 * 3 + images * 3 * self.image_size**2
 
     def summary(self) -> dict:
-        """Sizes, per-epoch plan and memory bound (for the start-of-run log)."""
-        plan = self.current_plan()
+        """Sizes, per-epoch plan and memory bound (for the start-of-run log). The fill is this rank's first slot's
+        (packing one slot; the epoch's sizes come from the split without packing)."""
+        split = self.current_split()
+        first = pack_slot(self.table, self.spec, split, self._own_slots().start)
         tab = self.table
-        lengths = np.minimum(plan.lengths, self.spec.max_tokens)
-        kept = np.ones(len(plan.order), bool)  # planned skips hold no tokens of the epoch
-        for positions in plan.skipped.values():
-            kept[positions] = False
-        n_packs = plan.packs_per_slot * plan.topology.num_slots
+        n_packs = split.packs_per_slot * split.topology.num_slots
         workers = max(1, self.cfg.num_workers)
         queue_mb = self.cfg.queue_size * workers * self.pack_bytes() / 2**20
         layout = self.processor.layout  # views per read-ahead sample: ~2 images, each 1 view or up to max_tiles + 1
         views = min(self.spec.max_images, 2 * (layout.max_tiles + 1 if layout.splitting else 1))
         read_ahead_mb = self.cfg.lookahead * workers * 3 * self.image_size**2 * views / 2**20
+        first_tokens = sum(int(first.lengths[p].sum()) for p in first.packs)
         return {
             "datasets": [
                 {
@@ -340,13 +359,13 @@ class PackedMultimodalDataModule(L.LightningDataModule):
             ],
             "val_samples": len(self.val_table) if self.val_table is not None else 0,
             "epoch": self.position.epoch,
-            "samples_per_epoch": int(len(plan.order)),
-            "tokens_per_epoch": int(lengths[kept].sum()),
-            "planned_skips": {r: int(p.size) for r, p in plan.skipped.items()},
+            "samples_per_epoch": int(len(split.fresh)),
+            "tokens_per_epoch": int(split.units[:, 0].sum() - split.carry.bound[:, 0].sum()),
+            "planned_skips": dict(split.skip_counts),
             "packs_per_epoch": int(n_packs),
-            "batches_per_rank_per_epoch": plan.batches_per_rank(),
-            "carried_to_next_epoch": int(plan.carry_out.size),
-            "planned_fill": float(lengths[plan.pack_items].sum() / max(1, n_packs * self.spec.max_tokens))
+            "batches_per_rank_per_epoch": split.batches_per_rank(),
+            "slot_carry_out": int(first.carry_out.size),
+            "planned_fill": first_tokens / max(1, len(first.packs) * self.spec.max_tokens)
             if self.spec.mode == "packed"
             else None,
             "queue_memory_mb": round(queue_mb, 1),

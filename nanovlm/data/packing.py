@@ -46,6 +46,37 @@ class PackResult:
         return self.real_tokens() / max(1, len(self.packs) * slots_per_pack)
 
 
+SKIP_REASONS = ("empty", "too_many_images", "overlength")  # codes 1, 2, 3 of ``effective_lengths``
+
+
+def effective_lengths(
+    lengths: np.ndarray,
+    n_images: np.ndarray,
+    limit: int,
+    max_images: int,
+    overlength: str,
+    prompts: np.ndarray | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """The over-length rule, vectorised: (effective lengths int64 [n], skip code int8 [n]).
+
+    Code 0 = packed (its length clipped to ``limit`` when truncated), else ``SKIP_REASONS[code - 1]``, the first
+    that applies. ``prompts`` (optional) are the tokens before each item's first loss token: truncating an item
+    whose prompt alone reaches the limit would leave nothing to learn from, so it is skipped as ``overlength``
+    rather than planned as a full pack that the reader then drops (an empty batch and a wasted step). The packers
+    and the planner's pack-count bound (``shards.split_epoch``) both apply the rule through this function.
+    """
+    if overlength not in OVERLENGTH_CHOICES:
+        raise ValueError(f"overlength must be one of {OVERLENGTH_CHOICES}, got {overlength!r}")
+    n, m = np.asarray(lengths, np.int64), np.asarray(n_images, np.int64)
+    if len(n) != len(m) or (prompts is not None and len(prompts) != len(n)):
+        raise ValueError(f"lengths ({len(n)}), n_images ({len(m)}) and prompts differ in length")
+    over = n > limit
+    prompt_fills = np.asarray(prompts, np.int64) >= limit if prompts is not None else np.zeros(len(n), bool)
+    drop = over & ((overlength == "drop") | prompt_fills)
+    code = np.select([n <= 0, m > max_images, drop], [1, 2, 3], 0).astype(np.int8)
+    return np.where(over, limit, n), code
+
+
 def _effective(
     lengths: Sequence[int],
     n_images: Sequence[int],
@@ -54,33 +85,12 @@ def _effective(
     overlength: str,
     prompts: Sequence[int] | None = None,
 ) -> tuple[list[int], dict[str, list[int]], list[int]]:
-    """Apply the over-length rule: returns (effective lengths, skipped by reason, truncated indices).
-
-    ``prompts`` (optional) are the tokens before each item's first loss token. Truncating an item
-    whose prompt alone reaches the limit would leave nothing to learn from: it is skipped as ``overlength``
-    here, rather than planned as a full pack that the reader then drops (an empty batch and a wasted step).
-    """
-    if overlength not in OVERLENGTH_CHOICES:
-        raise ValueError(f"overlength must be one of {OVERLENGTH_CHOICES}, got {overlength!r}")
-    if len(lengths) != len(n_images) or (prompts is not None and len(prompts) != len(lengths)):
-        raise ValueError(f"lengths ({len(lengths)}), n_images ({len(n_images)}) and prompts differ in length")
-    eff: list[int] = []
-    skipped: dict[str, list[int]] = {}
-    truncated: list[int] = []
-    for i, (n, m) in enumerate(zip(lengths, n_images)):
-        n, m = int(n), int(m)
-        if n <= 0:
-            skipped.setdefault("empty", []).append(i)
-        elif m > max_images:
-            skipped.setdefault("too_many_images", []).append(i)
-        elif n > limit:
-            if overlength == "drop" or (prompts is not None and int(prompts[i]) >= limit):
-                skipped.setdefault("overlength", []).append(i)
-            else:
-                truncated.append(i)
-                n = limit
-        eff.append(n)
-    return eff, skipped, truncated
+    """``effective_lengths`` as the packers use it: (effective lengths, skipped indices by reason, truncated)."""
+    eff, code = effective_lengths(np.asarray(lengths), np.asarray(n_images), limit, max_images, overlength, prompts)
+    n = np.asarray(lengths, np.int64)
+    skipped = {r: np.flatnonzero(code == c + 1).tolist() for c, r in enumerate(SKIP_REASONS) if (code == c + 1).any()}
+    truncated = np.flatnonzero((code == 0) & (n > limit)).tolist()
+    return np.where(code > 0, n, eff).tolist(), skipped, truncated
 
 
 def _subset_fill(candidates: list[tuple[int, int]], room: int) -> list[int]:

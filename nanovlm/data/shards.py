@@ -1,32 +1,34 @@
-"""The deterministic epoch plan: order, split over ranks x workers, and the packs of every slot.
+"""The deterministic epoch plan: order, split over ranks x workers, a common pack count, the packs of a slot.
 
 Everything here is a pure function of the dataset indexes' metadata (per sample: shard, byte range, token
 length, image count), the seed and the epoch, so
 
-* every rank computes the same global plan without communicating, and therefore agrees on the number of
+* every process computes the same split and pack count without communicating, so ranks agree on the number of
   steps per epoch (no rank ever waits on a collective at an epoch end);
-* resuming is a seek: the plan of the current epoch is recomputed in O(N) metadata work and the reader jumps
-  to the first unconsumed pack, whatever the position in the epoch.
+* each DataLoader worker packs only its own slot's chunk: the per-process planning cost is O(N) vectorised
+  numpy (the order and the split) plus O(N / slots) packing;
+* resuming is a seek: the current epoch's split is recomputed and the worker jumps to the first unconsumed pack
+  of its slot, whatever the position in the epoch.
 
 Terms: a *gid* is a row of the ``SampleTable`` (one sample of one training directory); the epoch *order* is a
 sequence of gids (a gid may occur more than once when a directory's weight is above 1); a *position* indexes
-that order, so it identifies one occurrence. A *slot* is one (rank, DataLoader worker) pair:
+a slot's chunk, so it identifies one occurrence. A *slot* is one (rank, DataLoader worker) pair:
 ``slot = rank * slots_per_rank + worker``.
 
-Epoch e's order = the samples carried in from epoch e-1 (cut at its end, see below) followed by the fresh
-order: per directory, its shards shuffled (one shard permutation per pass; a fractional weight adds a seeded
-random subset of one more pass), directories interleaved in proportion to their sizes, then a bounded window
-shuffle over the whole list (no sample moves more than ``shuffle_buffer`` places, so reads stay sequential
-within shards). The order is cut into one contiguous chunk per slot, balanced by tokens; each chunk is packed
-by the online packer; every slot keeps the same number of packs K (the minimum), and the samples of the packs
-cut from longer slots are carried to the front of the next epoch, so nothing is lost and every rank yields
-exactly K x slots_per_rank batches per epoch.
+Epoch e's fresh order: per directory, its shards shuffled (one shard permutation per pass; a fractional weight
+adds a seeded random subset of one more pass), directories interleaved in proportion to their sizes, then a
+bounded window shuffle over the whole list (no sample moves more than ``shuffle_buffer`` places, so reads stay
+sequential within shards). It is cut into one contiguous chunk per slot, balanced by tokens; each slot's
+chunk opens with what the slot carried from epoch e-1. Every slot yields the same number of packs K, a lower
+bound on every slot's pack count computed from token, image and sample sums (``EpochSplit``); the samples of a
+slot's packs past K are carried to the front of its own next chunk, so nothing is lost and every rank yields
+exactly K x slots_per_rank batches per epoch. The carry per slot stays near what K packs leave unfilled.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -181,6 +183,18 @@ class PackSpec:
         return cls(*fields, pad_cutoff=d.pad_cutoff)
 
     @property
+    def image_limit(self) -> int:
+        """The most encoder inputs one sample may have (the padded baselines have no image budget)."""
+        return self.max_images if self.mode == "packed" else 1 << 30
+
+    @property
+    def capacity(self) -> np.ndarray:
+        """The most (tokens, encoder inputs, samples) one pack holds; 0 = not limited."""
+        if self.mode == "packed":
+            return np.array([self.max_tokens, self.max_images, 0], np.int64)
+        return np.array([0, 0, self.batch_size], np.int64)
+
+    @property
     def limit(self) -> int:
         """The most tokens one sample may have: max_tokens, or the constrained baseline's pad cutoff below it."""
         if self.mode == "constrained":
@@ -255,15 +269,20 @@ def epoch_order(
     return order
 
 
-def balanced_chunks(tokens: np.ndarray, num_slots: int) -> np.ndarray:
-    """Boundaries [num_slots + 1] of contiguous chunks with (nearly) equal token sums.
+def balanced_chunks(tokens: np.ndarray, num_slots: int, offsets: np.ndarray | None = None) -> np.ndarray:
+    """Boundaries [num_slots + 1] of contiguous chunks whose token sums, plus ``offsets`` (tokens each slot
+    already holds, its carry), are (nearly) equal.
 
     With at least as many samples as slots every chunk gets one or more samples: a long sample next to short
     ones would otherwise pull two boundaries onto the same place and leave a slot with nothing to pack.
     """
     n = len(tokens)
     cum = np.concatenate([[0], np.cumsum(tokens, dtype=np.int64)])
-    targets = cum[-1] * np.arange(1, num_slots) / num_slots
+    if offsets is None or not len(offsets):
+        targets = cum[-1] * np.arange(1, num_slots) / num_slots
+    else:  # slot s should end where the fresh tokens of slots < s plus their offsets reach s+1 equal shares
+        per_slot = (cum[-1] + int(np.sum(offsets))) / num_slots
+        targets = np.maximum.accumulate(per_slot * np.arange(1, num_slots) - np.cumsum(offsets)[:-1])
     inner = np.clip(np.searchsorted(cum, targets, side="left"), 0, n)
     if n >= num_slots > 1:
         i = np.arange(1, num_slots)
@@ -272,154 +291,137 @@ def balanced_chunks(tokens: np.ndarray, num_slots: int) -> np.ndarray:
     return np.concatenate([[0], inner, [n]]).astype(np.int64)
 
 
+def _no_units() -> np.ndarray:
+    return np.zeros((0, 3), np.int64)
+
+
 @dataclass
-class EpochPlan:
-    """The packs of every slot for one epoch (or for the rest of one epoch after an elastic resume)."""
+class Carry:
+    """The samples an epoch opens with, kept back from the one before.
+
+    Per slot (``slots``: slot -> gids, with ``bound``: [num_slots, 3], for every slot a lower bound on the
+    (tokens, encoder inputs, samples) of its carry that every process computes alike), or one ``prefix`` of the
+    whole order (after a change of topology, from a saved state that lists every slot's carry). A process only
+    knows the carries of the slots it packed; the bound is what the common pack count is agreed on.
+    """
+
+    slots: dict[int, np.ndarray] = field(default_factory=dict)
+    bound: np.ndarray = field(default_factory=_no_units)
+    prefix: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+
+    def all_gids(self) -> np.ndarray:
+        """Every carried gid, the prefix first, then slot by slot (needs every slot's carry)."""
+        return np.concatenate([self.prefix, *(self.slots[s] for s in sorted(self.slots))]).astype(np.int64)
+
+    def key(self) -> tuple:
+        return (
+            self.prefix.tobytes(),
+            self.bound.tobytes(),
+            tuple((s, g.tobytes()) for s, g in sorted(self.slots.items())),
+        )
+
+
+@dataclass
+class EpochSplit:
+    """One epoch's (or the rest of one epoch's) order cut into slot chunks, and the pack count K every slot will
+    yield: O(N) vectorised metadata work, the same in every process, without packing anything.
+
+    Slot s packs ``chunk(s)`` = its carry, then ``fresh[bounds[s]:bounds[s + 1]]``. K is a lower bound on the
+    packs any slot's packer makes: a pack holds at most ``capacity`` (tokens, encoder inputs, samples), so a
+    slot with units U makes at least max_d ceil(U_d / capacity_d) packs, and U >= the carry's bound plus the
+    fresh chunk's exact units. Each slot keeps its first K packs and carries the samples of the rest into its
+    own next chunk; the next bound is what K packs cannot have taken, max(0, U_bound - K x capacity).
+    """
 
     epoch: int
     topology: Topology
-    order: np.ndarray  # gids; positions below index this array
-    packs_per_slot: int  # K: every slot yields exactly K packs
-    pack_items: np.ndarray  # positions, pack after pack, slot after slot
-    pack_start: np.ndarray  # [num_slots * K + 1]: pack (slot, k) = pack_items[start[slot*K+k]:start[...+1]]
-    lengths: np.ndarray  # [len(order)] planned length of every position (clipped when truncated)
-    carry_out: np.ndarray  # gids of the cut packs: the front of the next epoch's order
-    skipped: dict[str, np.ndarray]  # reason -> positions never planned (over-length, too many images)
-    truncated: int  # positions whose length was clipped to max_tokens
-    slot_bounds: np.ndarray  # [num_slots + 1]: slot s was given positions slot_bounds[s]:slot_bounds[s+1]
+    fresh: np.ndarray  # gids cut into the slots' fresh chunks (the epoch's fresh order, or the rest of it)
+    bounds: np.ndarray  # [num_slots + 1]
+    carry: Carry  # per-slot carries (a prefix is already part of ``fresh``)
+    packs_per_slot: int  # K
+    bound_next: np.ndarray  # [num_slots, 3]: the next epoch's carry bound
+    skip_counts: dict[str, int]  # reason -> samples of ``fresh`` no pack can take
+    units: np.ndarray  # [num_slots, 3]: the (lower bound on) units of every slot's chunk
 
-    def pack(self, slot: int, k: int) -> np.ndarray:
-        """Positions of pack ``k`` of ``slot``."""
-        i = slot * self.packs_per_slot + k
-        return self.pack_items[self.pack_start[i] : self.pack_start[i + 1]]
+    def chunk(self, slot: int) -> np.ndarray:
+        """Gids slot ``slot`` packs this epoch, in order (its carry must be known here)."""
+        fresh = self.fresh[self.bounds[slot] : self.bounds[slot + 1]]
+        if not self.carry.slots:
+            return fresh
+        if slot not in self.carry.slots:
+            raise RuntimeError(f"epoch {self.epoch}: the carry of slot {slot} is not known to this process")
+        return np.concatenate([self.carry.slots[slot], fresh])
 
     def batches_per_rank(self) -> int:
         return self.packs_per_slot * self.topology.slots_per_rank
 
-    def slot_skips(self, slot: int) -> dict[str, np.ndarray]:
-        """Positions of the slot's chunk that the packer skipped, by reason."""
-        lo, hi = self.slot_bounds[slot], self.slot_bounds[slot + 1]
-        return {r: p[(p >= lo) & (p < hi)] for r, p in self.skipped.items() if ((p >= lo) & (p < hi)).any()}
-
-    def rank_positions(self, rank: int) -> np.ndarray:
-        """Positions planned for ``rank`` this epoch: its packs plus what its slots skipped."""
-        spr, k = self.topology.slots_per_rank, self.packs_per_slot
-        lo, hi = self.pack_start[rank * spr * k], self.pack_start[(rank + 1) * spr * k]
-        skipped = [p for s in range(rank * spr, (rank + 1) * spr) for p in self.slot_skips(s).values()]
-        return np.concatenate([self.pack_items[lo:hi], *skipped])
-
-    def consumed_positions(self, consumed: int) -> np.ndarray:
-        """Positions in the packs a rank stream has consumed after ``consumed`` batches, for every rank.
-
-        Batch ``b`` of a rank comes from its local slot ``b % slots_per_rank``, pack ``b // slots_per_rank``.
-        """
-        spr = self.topology.slots_per_rank
-        out = []
-        for rank in range(self.topology.world_size):
-            for local in range(spr):
-                n_packs = max(0, -(-(consumed - local) // spr))  # ceil((consumed - local) / spr)
-                slot = rank * spr + local
-                for k in range(min(n_packs, self.packs_per_slot)):
-                    out.append(self.pack(slot, k))
-        return np.concatenate(out) if out else np.zeros(0, np.int64)
+    def restrict(self, lo: int, hi: int) -> EpochSplit:
+        """The split with only the chunks of slots ``lo:hi`` kept: what one rank's workers need (it pickles in
+        O(N / world_size))."""
+        a, b = self.bounds[lo], self.bounds[hi]
+        carry = Carry({s: g for s, g in self.carry.slots.items() if lo <= s < hi}, self.carry.bound)
+        return replace(self, fresh=self.fresh[a:b].copy(), bounds=np.clip(self.bounds - a, 0, b - a), carry=carry)
 
 
-def plan_order(
-    table: SampleTable,
-    spec: PackSpec,
-    topology: Topology,
-    order: np.ndarray,
-    epoch: int = 0,
-    *,
-    finite: bool = False,
-    remainder: bool = False,
-) -> EpochPlan:
-    """Split ``order`` over the topology's slots balanced by tokens, pack each slot, cut all to K packs.
-
-    ``finite`` (validation: one pass, nothing carried): no slot is cut; slots with fewer packs are topped up
-    with empty packs (all padding, no loss) to the longest slot's count, so every sample is evaluated exactly
-    once whatever the topology, and ranks still step together.
-    ``remainder`` (the rest of an epoch, re-planned for a new topology): when some slot would get no pack, the
-    epoch ends here (K = 0) and all of the remaining order opens the next epoch, instead of an error.
-    """
-    n_slots = topology.num_slots
-    if not len(order) and not (finite or remainder):
-        raise PlanError(
-            f"epoch {epoch} has no samples to train on: the data.train directories hold no samples, or "
-            "data.train_weights round every directory down to zero samples"
-        )
-    lengths = table.length[order]
-    n_images = table.n_images[order]
-    prompts = table.prompt[order]
-    bounds = balanced_chunks(np.minimum(lengths, spec.max_tokens), n_slots)
-    per_slot: list[list[np.ndarray]] = []
-    eff = lengths.copy()
-    skipped: dict[str, list[np.ndarray]] = {}
-    truncated = 0
-    for s in range(n_slots):
-        lo, hi = int(bounds[s]), int(bounds[s + 1])
-        res = spec.run(lengths[lo:hi], n_images[lo:hi], prompts[lo:hi])
-        eff[lo:hi] = res.lengths
-        truncated += len(res.truncated)
-        for reason, idx in res.skipped.items():
-            reason = "too_many_tiles" if reason == "too_many_images" and table.vision_unit == "tiles" else reason
-            skipped.setdefault(reason, []).append(np.asarray(idx, np.int64) + lo)
-        per_slot.append([np.asarray(p, np.int64) + lo for p in res.packs])
-    skips = {r: np.concatenate(v) for r, v in skipped.items()}
-    if finite:
-        k = max((len(p) for p in per_slot), default=0)
-        per_slot = [slot + [np.zeros(0, np.int64)] * (k - len(slot)) for slot in per_slot]
-    else:
-        k = min(len(p) for p in per_slot) if per_slot else 0
-    kept = [p for slot in per_slot for p in slot[:k]]
-    cut = [p for slot in per_slot for p in slot[k:]]
-    carry_pos = np.concatenate(cut) if cut else np.zeros(0, np.int64)
-    if k == 0 and len(order) and not finite:
-        if not remainder:
-            raise PlanError(_no_pack_message(epoch, len(order), topology, skips))
-        # too little left for the new slots: the epoch ends and all of the rest opens the next one, skips
-        # included (the next epoch plans and reports them)
-        carry_pos, skips = np.arange(len(order)), {}
-    sizes = np.array([len(p) for p in kept], np.int64)
-    return EpochPlan(
-        epoch=epoch,
-        topology=topology,
-        order=order,
-        packs_per_slot=k,
-        pack_items=np.concatenate(kept) if kept else np.zeros(0, np.int64),
-        pack_start=np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64),
-        lengths=eff,
-        carry_out=order[carry_pos],
-        skipped=skips,
-        truncated=truncated,
-        slot_bounds=bounds,
+def split_epoch(
+    table: SampleTable, spec: PackSpec, topology: Topology, order: np.ndarray, carry: Carry, epoch: int
+) -> EpochSplit:
+    """Cut ``order`` (after ``carry.prefix``) into slot chunks balanced by tokens, carries included, and agree on
+    K from the bound (see ``EpochSplit``)."""
+    s = topology.num_slots
+    order = np.concatenate([carry.prefix, order]).astype(np.int64) if carry.prefix.size else order
+    per_slot = bool(carry.slots) or len(carry.bound) > 0
+    bound = carry.bound if per_slot else np.zeros((s, 3), np.int64)
+    if per_slot and (len(bound) != s or (carry.slots and set(carry.slots) - set(range(s)))):
+        raise PlanError(f"epoch {epoch}: a carry of {len(bound)} slots cannot open an epoch of {s} slots")
+    eff, code = packing.effective_lengths(
+        table.length[order], table.n_images[order], spec.limit, spec.image_limit, spec.overlength, table.prompt[order]
     )
+    ok = code == 0
+    units = np.stack([np.where(ok, eff, 0), np.where(ok, table.n_images[order], 0), ok.astype(np.int64)], 1)
+    bounds = balanced_chunks(np.minimum(table.length[order], spec.max_tokens), s, bound[:, 0] if per_slot else None)
+    cum = np.concatenate([np.zeros((1, 3), np.int64), np.cumsum(units, 0, dtype=np.int64)])
+    total = bound + cum[bounds[1:]] - cum[bounds[:-1]]  # [s, 3]
+    cap = spec.capacity
+    need = np.where(cap > 0, -(-total // np.maximum(cap, 1)), 0).max(1)  # packs each slot makes at least
+    k = int(need.min()) if s else 0
+    nxt = np.where(cap > 0, np.maximum(0, total - k * cap), 0)
+    skips = {r: int((code == c + 1).sum()) for c, r in enumerate(packing.SKIP_REASONS) if (code == c + 1).any()}
+    if table.vision_unit == "tiles" and "too_many_images" in skips:
+        skips["too_many_tiles"] = skips.pop("too_many_images")
+    return EpochSplit(epoch, topology, order, bounds, carry if per_slot else Carry(), k, nxt, skips, total)
 
 
-def _no_pack_message(epoch: int, n: int, topology: Topology, skips: dict[str, np.ndarray]) -> str:
-    """Why some slot got no pack, with the fix that applies: the skips when they are the cause."""
-    where = (
-        f"every one of the {topology.num_slots} slots (world_size={topology.world_size} x "
-        f"workers={topology.slots_per_rank})"
-    )
-    n_skipped = sum(len(p) for p in skips.values())
-    if n_skipped * 2 >= n:
-        reasons = ", ".join(f"{r}={len(p)}" for r, p in sorted(skips.items()))
-        fixes = []
-        if "overlength" in skips:
-            fixes.append("raise data.max_tokens or set data.overlength=truncate")
-        if "too_many_images" in skips or "too_many_tiles" in skips:
-            fixes.append("raise data.max_images (or, for tiles, lower model.vision.max_tiles or longest_edge)")
-        if "empty" in skips:
-            fixes.append("re-prepare the data: its index has samples without tokens")
-        return (
-            f"epoch {epoch}: {n_skipped} of its {n} samples cannot be packed ({reasons}), so the rest cannot give "
-            f"{where} a batch; " + "; ".join(fixes or ["check the data"])
-        )
-    return (
-        f"epoch {epoch}: {n} samples cannot give {where} at least one batch; use fewer data.num_workers or ranks, "
-        "a smaller data.max_tokens, or more data"
-    )
+@dataclass
+class SlotPlan:
+    """The packs one slot yields in one epoch, and what it carries into the next."""
+
+    slot: int
+    gids: np.ndarray  # the slot's chunk; positions below index it
+    packs: list[np.ndarray]  # exactly K packs of positions (validation: topped up with empty ones)
+    lengths: np.ndarray  # [len(gids)] planned length of every position (clipped when truncated)
+    skipped: dict[str, np.ndarray]  # reason -> positions no pack takes
+    truncated: int  # positions whose length was clipped to the limit
+    carry_out: np.ndarray  # gids of the packs past K: the front of this slot's next chunk
+
+    def pack_gids(self, k: int) -> np.ndarray:
+        return self.gids[self.packs[k]]
+
+
+def pack_slot(table: SampleTable, spec: PackSpec, split: EpochSplit, slot: int, finite: bool = False) -> SlotPlan:
+    """Pack one slot's chunk and keep its first K packs, carrying the samples of the rest (``finite``: keep
+    every pack, carry nothing)."""
+    gids = split.chunk(slot)
+    res = spec.run(table.length[gids], table.n_images[gids], table.prompt[gids])
+    packs = [np.asarray(p, np.int64) for p in res.packs]
+    k = len(packs) if finite else split.packs_per_slot
+    if len(packs) < k:  # cannot happen: K is a lower bound on every slot's pack count
+        raise RuntimeError(f"slot {slot} of epoch {split.epoch} made {len(packs)} packs, below the bound K={k}")
+    skipped = {r: np.asarray(i, np.int64) for r, i in res.skipped.items()}
+    if table.vision_unit == "tiles" and "too_many_images" in skipped:
+        skipped["too_many_tiles"] = skipped.pop("too_many_images")
+    carry_out = gids[np.concatenate(packs[k:])] if len(packs) > k else np.zeros(0, np.int64)
+    return SlotPlan(slot, gids, packs[:k], np.asarray(res.lengths, np.int64), skipped, len(res.truncated), carry_out)
 
 
 @dataclass(frozen=True)
@@ -431,32 +433,188 @@ class ConsumedPart:
     consumed: int  # batches each rank had consumed under that topology
 
 
+@dataclass
+class EpochPlan:
+    """Every slot's packs of one epoch (or of the rest of one), for validation, elastic resume, tools and tests:
+    training processes pack only their own slots (``pack_slot``)."""
+
+    split: EpochSplit
+    slots: list[SlotPlan]
+
+    @property
+    def topology(self) -> Topology:
+        return self.split.topology
+
+    @property
+    def packs_per_slot(self) -> int:
+        return len(self.slots[0].packs) if self.slots else 0
+
+    @property
+    def order(self) -> np.ndarray:
+        """Every slot's chunk, slot after slot; the positions below index it."""
+        return np.concatenate([p.gids for p in self.slots]) if self.slots else np.zeros(0, np.int64)
+
+    @property
+    def slot_bounds(self) -> np.ndarray:
+        return np.concatenate([[0], np.cumsum([len(p.gids) for p in self.slots])]).astype(np.int64)
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return np.concatenate([p.lengths for p in self.slots]) if self.slots else np.zeros(0, np.int64)
+
+    @property
+    def carry_out(self) -> np.ndarray:
+        return np.concatenate([p.carry_out for p in self.slots]) if self.slots else np.zeros(0, np.int64)
+
+    def carry(self) -> Carry:
+        """What opens the next epoch on the same topology."""
+        return Carry({p.slot: p.carry_out for p in self.slots}, self.split.bound_next)
+
+    @property
+    def skipped(self) -> dict[str, np.ndarray]:
+        out: dict[str, list[np.ndarray]] = {}
+        for p, lo in zip(self.slots, self.slot_bounds):
+            for r, i in p.skipped.items():
+                out.setdefault(r, []).append(i + lo)
+        return {r: np.concatenate(v) for r, v in out.items()}
+
+    @property
+    def truncated(self) -> int:
+        return sum(p.truncated for p in self.slots)
+
+    def pack(self, slot: int, k: int) -> np.ndarray:
+        """Positions of pack ``k`` of ``slot``."""
+        return self.slots[slot].packs[k] + self.slot_bounds[slot]
+
+    def batches_per_rank(self) -> int:
+        return self.packs_per_slot * self.topology.slots_per_rank
+
+    def slot_skips(self, slot: int) -> dict[str, np.ndarray]:
+        """Positions of the slot's chunk that the packer skipped, by reason."""
+        return {r: i + self.slot_bounds[slot] for r, i in self.slots[slot].skipped.items()}
+
+    def rank_positions(self, rank: int) -> np.ndarray:
+        """Positions planned for ``rank`` this epoch: its packs plus what its slots skipped."""
+        spr = self.topology.slots_per_rank
+        slots = range(rank * spr, (rank + 1) * spr)
+        parts = [self.pack(s, k) for s in slots for k in range(self.packs_per_slot)]
+        parts += [p for s in slots for p in self.slot_skips(s).values()]
+        return np.concatenate(parts) if parts else np.zeros(0, np.int64)
+
+    def consumed_positions(self, consumed: int) -> np.ndarray:
+        """Positions in the packs a rank stream has consumed after ``consumed`` batches, for every rank.
+
+        Batch ``b`` of a rank comes from its local slot ``b % slots_per_rank``, pack ``b // slots_per_rank``.
+        """
+        spr = self.topology.slots_per_rank
+        out = []
+        for slot in range(self.topology.num_slots):
+            n_packs = max(0, -(-(consumed - slot % spr) // spr))  # ceil((consumed - local) / spr)
+            out += [self.pack(slot, k) for k in range(min(n_packs, self.packs_per_slot))]
+        return np.concatenate(out) if out else np.zeros(0, np.int64)
+
+    def remaining(self, consumed: int) -> np.ndarray:
+        """Gids of the epoch not yet consumed after ``consumed`` batches per rank, nor skipped, in plan order
+        (the carry of every slot included)."""
+        gone = [self.consumed_positions(consumed), *self.skipped.values()]
+        keep = np.ones(len(self.order), bool)
+        keep[np.concatenate(gone)] = False
+        return self.order[keep]
+
+
+def pack_all(table: SampleTable, spec: PackSpec, split: EpochSplit, finite: bool = False) -> EpochPlan:
+    """Every slot of ``split`` packed (O(N)). ``finite`` (validation: one pass, nothing carried): no slot is cut;
+    slots with fewer packs are topped up with empty packs (all padding, no loss) to the longest slot's count, so
+    every sample is evaluated exactly once whatever the topology, and ranks still step together."""
+    slots = range(split.topology.num_slots)
+    if not finite:
+        return EpochPlan(split, [pack_slot(table, spec, split, s) for s in slots])
+    made = [pack_slot(table, spec, split, s, finite=True) for s in slots]
+    k = max((len(m.packs) for m in made), default=0)
+    for m in made:
+        m.packs += [np.zeros(0, np.int64)] * (k - len(m.packs))
+    return EpochPlan(split, made)
+
+
+def _no_pack_message(split: EpochSplit) -> str:
+    """Why some slot gets no pack, with the fix that applies: the skips when they are the cause."""
+    topology, n, skips = split.topology, len(split.fresh), split.skip_counts
+    where = (
+        f"every one of the {topology.num_slots} slots (world_size={topology.world_size} x "
+        f"workers={topology.slots_per_rank})"
+    )
+    n_skipped = sum(skips.values())
+    if n_skipped * 2 >= n:
+        reasons = ", ".join(f"{r}={c}" for r, c in sorted(skips.items()))
+        fixes = []
+        if "overlength" in skips:
+            fixes.append("raise data.max_tokens or set data.overlength=truncate")
+        if "too_many_images" in skips or "too_many_tiles" in skips:
+            fixes.append("raise data.max_images (or, for tiles, lower model.vision.max_tiles or longest_edge)")
+        if "empty" in skips:
+            fixes.append("re-prepare the data: its index has samples without tokens")
+        return (
+            f"epoch {split.epoch}: {n_skipped} of its {n} samples cannot be packed ({reasons}), so the rest cannot "
+            f"give {where} a batch; " + "; ".join(fixes or ["check the data"])
+        )
+    return (
+        f"epoch {split.epoch}: {n} samples cannot give {where} at least one batch; use fewer data.num_workers or "
+        "ranks, a smaller data.max_tokens, or more data"
+    )
+
+
+def plan_split(
+    table: SampleTable,
+    spec: PackSpec,
+    topology: Topology,
+    seed: int,
+    epoch: int,
+    carry: Carry | None = None,
+    history: Sequence[ConsumedPart] = (),
+    weights: Sequence[float] = (),
+    shuffle_buffer: int = 256,
+    shuffle: bool = True,
+    finite: bool = False,
+) -> EpochSplit:
+    """The split of ``epoch`` for ``topology``: vectorised, except after a change of topology mid-epoch.
+
+    ``history`` lists the parts of this epoch consumed under earlier topologies (``carry`` opened the first):
+    each is packed in turn (O(N), once per resume) and what it consumed or skipped is removed, so the split
+    covers exactly what remains, over the new topology. When that remainder cannot give every new slot a pack,
+    K = 0 and the whole remainder opens the next epoch (``state.restore``). A fresh epoch with K = 0 is a
+    ``PlanError`` naming the cause; so is a training epoch without samples.
+    """
+    carry = carry or Carry()
+    order = epoch_order(table, seed, epoch, weights, shuffle_buffer, shuffle)
+    if not (len(order) or carry.prefix.size or carry.slots or finite):
+        raise PlanError(
+            f"epoch {epoch} has no samples to train on: the data.train directories hold no samples, or "
+            "data.train_weights round every directory down to zero samples"
+        )
+    for part in history:
+        old = pack_all(
+            table, spec, split_epoch(table, spec, Topology(part.world_size, part.num_workers), order, carry, epoch)
+        )
+        order, carry = old.remaining(part.consumed), Carry()
+    split = split_epoch(table, spec, topology, order, carry, epoch)
+    if split.packs_per_slot == 0 and len(split.fresh) and not (finite or history):
+        raise PlanError(_no_pack_message(split))
+    return split
+
+
 def build_epoch_plan(
     table: SampleTable,
     spec: PackSpec,
     topology: Topology,
     seed: int,
     epoch: int,
-    carry_in: np.ndarray | Sequence[int] = (),
+    carry: Carry | None = None,
     history: Sequence[ConsumedPart] = (),
     weights: Sequence[float] = (),
     shuffle_buffer: int = 256,
     shuffle: bool = True,
     finite: bool = False,
 ) -> EpochPlan:
-    """The plan of ``epoch`` for ``topology`` (``finite``: one validation pass, see ``plan_order``).
-
-    ``history`` lists the parts of this epoch consumed under earlier topologies: each is re-planned in turn
-    and the samples of its consumed packs (and the samples it skipped) are removed, so the returned plan
-    covers exactly what remains, split over the new topology. When too little remains to give every new slot
-    a pack, the plan has no packs (K = 0) and carries all of the remainder into the next epoch.
-    """
-    fresh = epoch_order(table, seed, epoch, weights, shuffle_buffer, shuffle)
-    order = np.concatenate([np.asarray(carry_in, np.int64), fresh])
-    for part in history:
-        old = plan_order(table, spec, Topology(part.world_size, part.num_workers), order, epoch)
-        gone = [old.consumed_positions(part.consumed), *old.skipped.values()]
-        keep = np.ones(len(order), bool)
-        keep[np.concatenate(gone)] = False
-        order = order[keep]
-    return plan_order(table, spec, topology, order, epoch, finite=finite, remainder=bool(history))
+    """Every slot's packs of ``epoch`` (``plan_split``, then every slot packed): for validation, tools and tests."""
+    split = plan_split(table, spec, topology, seed, epoch, carry, history, weights, shuffle_buffer, shuffle, finite)
+    return pack_all(table, spec, split, finite)

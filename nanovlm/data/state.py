@@ -2,9 +2,10 @@
 
 ``DataState`` is what ``PackedMultimodalDataModule.state_dict()`` returns (as a plain dict, so checkpoints hold
 no class of ours), one for the whole job: the ranks step together, so one epoch / consumed pair describes
-them all, and ``ranks`` keeps each rank's skip counts. ``restore`` turns a saved state into the position to
-continue from: the same position when the topology is the same, or (elastic) the rest of the epoch re-planned
-over the new ranks and workers, with what the old topology consumed listed in ``history``.
+them all; ``ranks`` keeps each rank's skip counts and the carries its slots opened the epoch with (only the
+slot that packed a carry knows it, so the state gathers them). ``restore`` turns a saved state into the
+position to continue from: the same position when the topology is the same, or (elastic) the rest of the epoch
+re-planned over the new ranks and workers, with what the old topology consumed listed in ``history``.
 
 The ``config`` fingerprint names everything the epoch order depends on; a state whose fingerprint differs
 from the run's is refused with the list of what changed, since its position would mean other samples.
@@ -22,11 +23,11 @@ from typing import Any
 import numpy as np
 
 from nanovlm.config import DataConfig
-from nanovlm.data.shards import ConsumedPart, EpochPlan, PackSpec, SampleTable, Topology
+from nanovlm.data.shards import Carry, ConsumedPart, EpochSplit, PackSpec, SampleTable, Topology
 from nanovlm.data.tiling import ImageLayout
 
 log = logging.getLogger(__name__)
-STATE_VERSION = 1
+STATE_VERSION = 2
 
 
 class DataStateError(RuntimeError):
@@ -39,19 +40,21 @@ class Position:
 
     epoch: int = 0
     consumed: int = 0  # batches of this epoch the rank has consumed (under the current topology)
-    carry_in: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # gids opening this epoch
+    carry: Carry = field(default_factory=Carry)  # what opened this epoch (the first part of it, see history)
     history: tuple[ConsumedPart, ...] = ()  # parts of this epoch consumed under earlier topologies
 
 
 @dataclass
 class RankState:
-    """One rank's position and skip counts (``epoch_skips``: [reason, dataset, count] of this epoch)."""
+    """One rank's position, skip counts (``epoch_skips``: [reason, dataset, count] of this epoch) and the carry
+    each of its slots opened the epoch with (``carry_in[local slot]``: gids)."""
 
     rank: int
     epoch: int
     consumed: int
     epoch_skips: list[list] = field(default_factory=list)
     total_skips: dict[str, int] = field(default_factory=dict)
+    carry_in: list[list[int]] = field(default_factory=list)
 
 
 @dataclass
@@ -60,7 +63,8 @@ class DataState:
 
     world_size: int
     num_workers: int
-    carry_in: list[int]
+    carry_prefix: list[int]  # gids opening the epoch ahead of every slot (after a change of topology)
+    carry_bound: list[list[int]]  # [slots][3]: the common lower bound on each slot's carry (shards.Carry)
     history: list[tuple[int, int, int]]
     config: dict[str, Any]  # the fingerprint (see ``fingerprint``)
     dataset_names: list[str]  # for messages only: the content hashes in ``config`` decide
@@ -73,7 +77,11 @@ class DataState:
     @classmethod
     def from_dict(cls, d: dict) -> DataState:
         if d.get("version") != STATE_VERSION:
-            raise DataStateError(f"data state version {d.get('version')} is not {STATE_VERSION}")
+            raise DataStateError(
+                f"data state version {d.get('version')} is not {STATE_VERSION}: it was saved by another version "
+                "of the data pipeline; start a new data stream from the checkpoint's weights with "
+                "checkpoint.init_from=<the checkpoint>"
+            )
         fields = {f.name for f in dataclasses.fields(cls)}
         try:
             out = cls(**{k: v for k, v in d.items() if k in fields})
@@ -89,7 +97,7 @@ class DataState:
         ranks = {r.rank: r for s in states for r in s.ranks}
         out.ranks = [ranks[k] for k in sorted(ranks)]
         for s in states[1:]:
-            for k in ("world_size", "num_workers", "carry_in", "history", "config"):
+            for k in ("world_size", "num_workers", "carry_prefix", "carry_bound", "history", "config"):
                 if getattr(s, k) != getattr(out, k):
                     raise DataStateError(f"ranks disagree on the data state field {k!r}")
         positions = {(r.epoch, r.consumed) for r in out.ranks}
@@ -140,15 +148,16 @@ def check_fingerprint(state: DataState, now: dict[str, Any], dataset_names: list
 
 
 def restore(
-    state: DataState, topology: Topology, rank: int, num_samples: int, plan: Callable[[Position], EpochPlan]
+    state: DataState, topology: Topology, rank: int, num_samples: int, split: Callable[[Position], EpochSplit]
 ) -> tuple[Position, list[RankState]]:
     """The position for ``rank`` to continue from under ``topology``, and the rank states whose skip counts it
     takes over.
 
     Same topology: the saved position. Another world size or worker count mid-epoch: what the old topology
     consumed joins ``history`` and the rest of the epoch is re-planned over the new slots; when too little is
-    left to give every new slot a batch, the epoch ends there and the rest opens the next one. The skip counts of
-    an elastic resume all go to rank 0 (the per-rank split no longer exists).
+    left to give every new slot a batch, the epoch ends there and the rest opens the next one. At an epoch's
+    start, the old slots' carries become one prefix of the new order. The skip counts of an elastic resume all
+    go to rank 0 (the per-rank split no longer exists).
     """
     if len(state.ranks) != state.world_size:
         raise DataStateError(
@@ -157,8 +166,8 @@ def restore(
         )
     epoch, consumed = state.ranks[0].epoch, state.ranks[0].consumed
     history = tuple(ConsumedPart(*h) for h in state.history)
-    carry = np.asarray(state.carry_in, np.int64)
-    if carry.size and int(carry.max()) >= num_samples:
+    carry = saved_carry(state)
+    if any(g.size and int(g.max()) >= num_samples for g in (carry.prefix, *carry.slots.values())):
         raise DataStateError("the data state carries samples that are not in the datasets")
     same = (state.world_size, state.num_workers) == (topology.world_size, topology.num_workers)
     if not same and consumed:
@@ -172,8 +181,20 @@ def restore(
             state.world_size,
             state.num_workers,
         )
+    elif not same and not history:  # a new topology opens the epoch: the old slots' carries lead its order
+        carry = Carry(prefix=carry.all_gids())
     pos = Position(epoch, consumed, carry, history)
-    if history and plan(pos).packs_per_slot == 0:
+    if history and split(pos).packs_per_slot == 0:
         log.info("data: the rest of epoch %d is too small for the new topology; it opens epoch %d", epoch, epoch + 1)
-        pos = Position(epoch + 1, 0, plan(pos).carry_out, ())
+        pos = Position(epoch + 1, 0, Carry(prefix=split(pos).fresh), ())
     return pos, [r for r in state.ranks if r.rank == rank] if same else (state.ranks if rank == 0 else [])
+
+
+def saved_carry(state: DataState) -> Carry:
+    """The carry the saved epoch opened with, every slot's gathered from the rank that packed it."""
+    spr = max(1, state.num_workers)
+    slots = {r.rank * spr + j: np.asarray(g, np.int64) for r in state.ranks for j, g in enumerate(r.carry_in)}
+    bound = np.asarray(state.carry_bound, np.int64).reshape(-1, 3)
+    if len(bound) and len(slots) != len(bound):
+        raise DataStateError(f"the data state lists the carries of {len(slots)} of its {len(bound)} slots")
+    return Carry(slots if len(bound) else {}, bound, np.asarray(state.carry_prefix, np.int64))

@@ -1,9 +1,10 @@
 """The stream of one rank's packed batches: what each DataLoader worker runs.
 
 A ``PackStream`` is picklable (no open files, no threads), so it travels to the DataLoader's worker processes.
-Each worker serves one slot of the plan (``slot = rank * slots_per_rank + worker``): it walks that slot's packs
-from the saved position on, epoch after epoch, and a background ``PackProducer`` reads, processes and collates
-them into a bounded queue. torch's DataLoader reads workers round-robin starting at worker 0, so after ``c``
+Each worker serves one slot of the plan (``slot = rank * slots_per_rank + worker``): it packs only that slot's
+chunk of each epoch (``shards.pack_slot``), walks its packs from the saved position on, epoch after epoch,
+carrying what its last pack left into its own next chunk, and a background ``PackProducer`` reads, processes
+and collates them into a bounded queue. torch's DataLoader reads workers round-robin starting at worker 0, so after ``c``
 consumed batches worker ``w`` serves slot ``(w + c) % W``; the interleaved stream then equals the uninterrupted
 one, batch for batch.
 """
@@ -26,7 +27,17 @@ from nanovlm.data.processing import SampleProcessor
 from nanovlm.data.producer import PackProducer, PlannedPack, Skip
 from nanovlm.data.reader import ShardReader
 from nanovlm.data.remote import Prefetcher, ShardCache
-from nanovlm.data.shards import EpochPlan, PackSpec, SampleTable, Topology, build_epoch_plan
+from nanovlm.data.shards import (
+    Carry,
+    EpochSplit,
+    PackSpec,
+    SampleTable,
+    SlotPlan,
+    Topology,
+    pack_all,
+    pack_slot,
+    plan_split,
+)
 from nanovlm.data.state import Position
 
 log = logging.getLogger(__name__)
@@ -56,14 +67,14 @@ class StreamSpec:
     cache: ShardCache | None = None  # remote shards: staged here (remote.py)
     prefetch_shards: int = 2  # remote shards fetched ahead of the one being read; 0 = off
 
-    def plan(self, pos: Position) -> EpochPlan:
-        return build_epoch_plan(
+    def split(self, pos: Position) -> EpochSplit:
+        return plan_split(
             self.table,
             self.spec,
             self.topology,
             self.seed,
             pos.epoch,
-            pos.carry_in,
+            pos.carry,
             pos.history,
             self.weights,
             self.shuffle_buffer,
@@ -71,18 +82,27 @@ class StreamSpec:
             self.finite,
         )
 
+    def slot_plan(self, split: EpochSplit, slot: int) -> tuple[EpochSplit, SlotPlan]:
+        """The slot's packs: its own chunk packed (validation: every slot, to top all up to the longest), and the
+        split cut down to that chunk, so a worker holds O(N / slots) of the epoch while it serves it."""
+        if self.finite:
+            return split, pack_all(self.table, self.spec, split, finite=True).slots[slot]
+        return split.restrict(slot, slot + 1), pack_slot(self.table, self.spec, split, slot)
+
 
 class PackStream(IterableDataset):
-    """The rank's batches, read by one producer per DataLoader worker, in the plan's order."""
+    """The rank's batches, read by one producer per DataLoader worker, in the plan's order.
 
-    def __init__(self, s: StreamSpec, start: Position, first_plan: EpochPlan | None = None) -> None:
-        self.s, self.start, self._first_plan = s, start, first_plan
+    ``first_split``: the split of the start position when the caller already has it (it holds only this rank's
+    chunks, so it pickles small); workers compute it otherwise, and every later epoch's split themselves."""
 
-    def _shards_ahead(self, plan: EpochPlan, slot: int, k: int, packs: int = 32) -> list[str]:
-        """The distinct shards of this slot's next ``packs`` packs, in the order the plan reads them."""
-        lo = plan.pack_start[slot * plan.packs_per_slot + k]
-        hi = plan.pack_start[slot * plan.packs_per_slot + min(plan.packs_per_slot, k + packs)]
-        shards = self.s.table.shard_of(plan.order[plan.pack_items[lo:hi]])
+    def __init__(self, s: StreamSpec, start: Position, first_split: EpochSplit | None = None) -> None:
+        self.s, self.start, self._first_split = s, start, first_split
+
+    def _shards_ahead(self, plan: SlotPlan, k: int, packs: int = 32) -> list[str]:
+        """The distinct shards of the slot's next ``packs`` packs, in the order the plan reads them."""
+        ahead = plan.packs[k : k + packs]
+        shards = self.s.table.shard_of(plan.gids[np.concatenate(ahead)] if ahead else np.zeros(0, np.int64))
         _, first = np.unique(shards, return_index=True)
         return [self.s.table.shard_paths[i] for i in shards[np.sort(first)].tolist()]
 
@@ -90,25 +110,27 @@ class PackStream(IterableDataset):
         s, spr = self.s, self.s.topology.slots_per_rank
         slot = s.rank * spr + local
         pos = dataclasses.replace(self.start)
-        plan = self._first_plan if self._first_plan is not None else s.plan(pos)
+        split, plan = s.slot_plan(self._first_split if self._first_split is not None else s.split(pos), slot)
         k = first_pack
         while True:
-            while k < plan.packs_per_slot:
+            n_packs = len(plan.packs)
+            while k < n_packs:
                 if prefetch is not None and (k == 0 or k == first_pack or k % 4 == 0):  # at a start, then every 4
-                    prefetch.upcoming(self._shards_ahead(plan, slot, k))
-                positions = plan.pack(slot, k)
-                gids = plan.order[positions]
+                    prefetch.upcoming(self._shards_ahead(plan, k))
+                positions = plan.packs[k]
+                gids = plan.gids[positions]
                 extra: dict[str, Any] = {"epoch": pos.epoch, "index": k * spr + local, "worker_slot": slot}
                 if k == 0:  # the skips the planner made in this slot's chunk, reported once per epoch
                     # plain dicts: torch's default_convert/pin_memory copy a mapping and then update() it, which
                     # would add a Counter's counts twice
                     extra["planned_skips"] = {
-                        r: dict(Counter(s.table.dataset_of(plan.order[p]).tolist()))
-                        for r, p in plan.slot_skips(slot).items()
+                        r: dict(Counter(s.table.dataset_of(plan.gids[p]).tolist())) for r, p in plan.skipped.items()
                     }
-                if k == plan.packs_per_slot - 1 and local == spr - 1:  # the rank's last batch of the epoch
-                    extra["epoch_end"] = True  # carry it, so the training process never re-plans to find the end
-                    extra["carry_out"] = plan.carry_out.tolist()
+                if k == n_packs - 1 and not s.finite:  # the slot's last pack: what it carries into its next chunk
+                    extra["slot_carry"] = plan.carry_out.tolist()
+                    if local == spr - 1:  # the rank's last batch of the epoch: the training process never re-plans
+                        extra["epoch_end"] = True
+                        extra["carry_bound"] = split.bound_next.tolist()
                 yield PlannedPack(
                     pos.epoch,
                     k * spr + local,
@@ -120,9 +142,9 @@ class PackStream(IterableDataset):
                 k += 1
             if s.finite:
                 return
-            k -= plan.packs_per_slot
-            pos = Position(pos.epoch + 1, 0, plan.carry_out, ())
-            plan = s.plan(pos)
+            k -= n_packs
+            pos = Position(pos.epoch + 1, 0, Carry({slot: plan.carry_out}, split.bound_next), ())
+            split, plan = s.slot_plan(s.split(pos), slot)
 
     def __iter__(self) -> Iterator[dict]:
         s = self.s

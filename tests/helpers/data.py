@@ -49,3 +49,9 @@ def take(dm, n, consume=True):
 
 def all_keys(*dirs):
     return sorted(k for d in dirs for k in load_index(d).key_list())
+
+
+def carried_keys(*dms) -> list[str]:
+    """Keys of the samples the ranks ``dms`` carry into their current epoch (each knows its own slots')."""
+    gids = {int(g) for dm in dms for g in dm.position.carry.all_gids()}
+    return [dms[0].table.keys[g] for g in sorted(gids)]

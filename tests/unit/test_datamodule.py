@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers.data import IMAGE_TOKENS, all_keys, make_cfg, make_dm, take
+from helpers.data import IMAGE_TOKENS, all_keys, carried_keys, make_cfg, make_dm, take
 from helpers.faults import (
     HOSTILE_SUFFIXES,
     bad_json_variants,
@@ -100,16 +100,16 @@ def test_packed_batches_match_per_sample_processing(data, tiny_tokenizer, overle
 @pytest.mark.parametrize("world_size,workers", [(1, 2), (2, 1), (3, 2)])
 def test_each_sample_once_per_epoch_across_ranks_and_workers(data, tiny_tokenizer, world_size, workers):
     cfg = make_cfg([data / "a", data / "b"], num_workers=workers)
-    seen, steps = [], set()
+    seen, steps, carry = [], set(), []
     for rank in range(world_size):
         dm = make_dm(cfg, tiny_tokenizer, rank, world_size)
-        n = dm.current_plan().batches_per_rank()
+        n = dm.current_split().batches_per_rank()
         batches = take(dm, n)
         assert [b["meta"]["index"] for b in batches] == list(range(n)) and {b["meta"]["epoch"] for b in batches} == {0}
         assert dm.telemetry()["epoch"] == 1  # the rank finished its epoch after exactly n batches
         steps.add(n)
         seen += [k for b in batches for k in b["sample_keys"]]
-        carry = [dm.table.keys[g] for g in dm.position.carry_in]  # cut at the epoch end, opening epoch 1
+        carry += carried_keys(dm)  # what each slot left at the epoch end, opening its chunk of epoch 1
     assert len(steps) == 1  # every rank takes the same number of steps
     assert len(seen) == len(set(seen))  # disjoint
     assert sorted(seen + carry) == all_keys(data / "a", data / "b")  # complete (carry opens the next epoch)
@@ -136,7 +136,7 @@ def test_index_length_mismatch_surfaces_with_the_key(data, tiny_tokenizer, tmp_p
     write_index(d, raw)
     dm = make_dm(make_cfg([d], num_workers=workers, shuffle_buffer=0), tiny_tokenizer)
     with pytest.raises(ProducerError) as err:
-        take(dm, dm.current_plan().batches_per_rank())
+        take(dm, dm.current_split().batches_per_rank())
     msg = str(err.value)
     assert "s000" in msg and "prepare_data" in msg and "DataMismatchError" in msg
 
@@ -161,7 +161,7 @@ def test_corrupt_members_are_skipped_and_counted(data, tiny_tokenizer, tmp_path)
     d = copy_dataset(data / "a", tmp_path / "a")
     bad = corrupt(d, [0, 1, 5])  # 0, 1 and 2 images: the damaged header is the first, second and third
     dm = make_dm(make_cfg([d]), tiny_tokenizer)
-    n = dm.current_plan().batches_per_rank()
+    n = dm.current_split().batches_per_rank()
     batches = take(dm, n)
     seen = [k for b in batches for k in b["sample_keys"]]
     assert not set(bad) & set(seen)
@@ -169,7 +169,7 @@ def test_corrupt_members_are_skipped_and_counted(data, tiny_tokenizer, tmp_path)
     assert skipped == sorted(bad)
     tel = dm.telemetry()
     assert tel["skips_by_reason"] == {"corrupt_member": 3} and tel["last_epoch_skips"] == {"corrupt_member": 3}
-    assert len(seen) + 3 + len(dm.position.carry_in) == 70
+    assert len(seen) + 3 + len(carried_keys(dm)) == 70
 
 
 def test_skip_rate_limit_names_dataset_and_reason(data, tiny_tokenizer, tmp_path):
@@ -177,7 +177,7 @@ def test_skip_rate_limit_names_dataset_and_reason(data, tiny_tokenizer, tmp_path
     corrupt(d, list(range(10)))
     dm = make_dm(make_cfg([d], max_skip_rate=0.1), tiny_tokenizer)
     with pytest.raises(SkipRateError, match=r"corrupt_member x\d+") as err:
-        take(dm, dm.current_plan().batches_per_rank())
+        take(dm, dm.current_split().batches_per_rank())
     assert str(d) in str(err.value)
 
 
@@ -281,10 +281,10 @@ def test_planned_overlength_skips_are_counted_once_per_epoch(data, tiny_tokenize
     assert over > 0
     # the plan's token count leaves the skipped samples out (it counted them clipped to max_tokens)
     assert dm.summary()["tokens_per_epoch"] == int(dm.table.length[dm.table.length <= 96].sum())
-    seen = [k for b in take(dm, dm.current_plan().batches_per_rank()) for k in b["sample_keys"]]
+    seen = [k for b in take(dm, dm.current_split().batches_per_rank()) for k in b["sample_keys"]]
     tel = dm.telemetry()
     assert tel["skips_by_reason"] == {"overlength": over} and tel["last_epoch_skips"] == {"overlength": over}
-    assert len(seen) + over + len(dm.position.carry_in) == 70
+    assert len(seen) + over + len(carried_keys(dm)) == 70
 
 
 @pytest.fixture(scope="module")
@@ -323,13 +323,14 @@ def test_truncation_that_would_leave_no_answer_is_a_planned_skip(long_prompts, t
     cfg = make_cfg([path], max_tokens=96, overlength="truncate", mode=mode, batch_size=2, max_skip_rate=0.5)
     dm = make_dm(cfg, tiny_tokenizer)
     no_answer = {r.key for i, r in enumerate(records) if i % 6 == 5}
-    assert {dm.table.keys[g] for g in dm.current_plan().order[dm.current_plan().skipped["overlength"]]} == no_answer
-    batches = take(dm, dm.current_plan().batches_per_rank())
+    plan = dm.current_plan()
+    assert {dm.table.keys[g] for g in plan.order[plan.skipped["overlength"]]} == no_answer
+    batches = take(dm, dm.current_split().batches_per_rank())
     assert all(b["meta"]["real_tokens"] > 0 and (b["labels"] != -100).any() for b in batches)
     seen = [k for b in batches for k in b["sample_keys"]]
     assert not no_answer & set(seen)
     assert dm.telemetry()["skips_by_reason"] == {"overlength": len(no_answer)}
-    assert len(seen) + len(no_answer) + len(dm.position.carry_in) == len(records)
+    assert len(seen) + len(no_answer) + len(carried_keys(dm)) == len(records)
 
 
 def test_the_datamodule_is_importable_from_the_data_package():

@@ -89,7 +89,7 @@ def test_training_from_s3_equals_local_with_exact_and_elastic_resume(data, tiny_
     and elastically onto 2 ranks with nothing lost or repeated."""
     local_cfg = make_cfg([data / "a"], num_workers=2)
     ref_dm = make_dm(local_cfg, tiny_tokenizer)
-    per_epoch = ref_dm.current_plan().batches_per_rank()
+    per_epoch = ref_dm.current_split().batches_per_rank()
     want = take(ref_dm, per_epoch + 2)  # into the second epoch
     with s3_server(monkeypatch) as (fs, bucket):
         upload(fs, data / "a", f"{bucket}/sets/a")
@@ -115,7 +115,7 @@ def test_training_from_s3_equals_local_with_exact_and_elastic_resume(data, tiny_
                 r = PackedMultimodalDataModule(c.data, c.model, tiny_tokenizer, rank=rank, world_size=2)
                 r.setup("fit")
                 r.load_state_dict(state)
-                n = r.current_plan().batches_per_rank()
+                n = r.current_split().batches_per_rank()
                 keys += [k for b in take(r, n) for k in b["sample_keys"]]
             rest[name] = keys
         assert rest["s3"] == rest["local"]
@@ -145,7 +145,7 @@ def test_http_faults_lose_and_repeat_nothing(data, tiny_tokenizer, tmp_path, cap
     """30% of requests answered 503, reset, cut short or delayed: the epoch is the local epoch, batch for
     batch; the retries are counted and logged without credentials."""
     local = make_dm(make_cfg([data / "a"]), tiny_tokenizer)
-    n = local.current_plan().batches_per_rank()
+    n = local.current_split().batches_per_rank()
     want = take(local, n)
     with http_server(data, FaultPlan(rate=0.3, seed=5)) as (url, faults, _):
         cfg = make_cfg([url.replace("http://", "http://user:pw@") + "/a"], cache_dir=str(tmp_path / "cache"))
@@ -154,7 +154,7 @@ def test_http_faults_lose_and_repeat_nothing(data, tiny_tokenizer, tmp_path, cap
             dm.shard_cache.policy = FAST
             same_batches(take(dm, n), want)
         local2 = make_dm(make_cfg([data / "a"], num_workers=2), tiny_tokenizer)
-        n2 = local2.current_plan().batches_per_rank()
+        n2 = local2.current_split().batches_per_rank()
         with_workers = make_cfg([url + "/a"], num_workers=2, cache_dir=str(tmp_path / "cache2"))
         same_batches(take(make_dm(with_workers, tiny_tokenizer), n2), take(local2, n2))  # through 2 worker processes
     assert sum(faults.done[k] for k in ("503", "reset", "truncate")) >= 3

@@ -133,7 +133,7 @@ def test_a_whole_demo_epoch_of_static_packs_is_one_graph(small_demo, tmp_path):
     torch._dynamo.reset()
     counters.clear()
     step = torch.compile(model.static_forward, backend=counter, fullgraph=True)
-    seen, n = set(), dm.current_plan().batches_per_rank()
+    seen, n = set(), dm.current_split().batches_per_rank()
     for batch in itertools.islice(dm.train_dataloader(), n):  # the loader runs on into the next epoch
         seen.add((len(batch["sample_keys"]), batch["meta"]["n_images"], batch["meta"]["loss_tokens"]))
         out = step(*(batch[k] for k in TENSORS))

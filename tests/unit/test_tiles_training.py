@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from helpers.data import all_keys, make_cfg, make_dm, take
+from helpers.data import all_keys, carried_keys, make_cfg, make_dm, take
 from helpers.synthetic import synthetic_image
 
 from nanovlm.data.collate import collate_packed
@@ -53,13 +53,13 @@ def test_packs_respect_the_tile_budget_and_carry_what_the_model_splices(tiles_da
     dm = make_dm(cfg, split_tok)
     assert dm.table.vision_unit == "tiles"
     assert dm.table.n_images.max() > 2  # some sample has more tiles than images
-    batches = take(dm, dm.current_plan().batches_per_rank())
+    batches = take(dm, dm.current_split().batches_per_rank())
     image_id = split_tok.convert_tokens_to_ids("<image>")
     for b in batches:
         assert b["pixel_values"].shape[0] <= 20
         assert int((b["input_ids"] == image_id).sum()) == b["pixel_values"].shape[0] * 16
     keys = [k for b in batches for k in b["sample_keys"]]
-    carry = [dm.table.keys[g] for g in dm.position.carry_in]
+    carry = carried_keys(dm)
     assert sorted(keys + carry) == all_keys(tiles_data[0] / "a")  # one epoch: every sample once (none over budget)
 
 
@@ -68,7 +68,7 @@ def test_a_sample_over_the_tile_budget_is_a_counted_skip(tiles_data, split_tok):
     dm = make_dm(cfg, split_tok)
     over = int((dm.table.n_images > 9).sum())
     assert over > 0
-    take(dm, dm.current_plan().batches_per_rank())
+    take(dm, dm.current_split().batches_per_rank())
     assert dm.telemetry()["last_epoch_skips"] == {"too_many_tiles": over}
 
 
@@ -97,10 +97,10 @@ def test_exact_and_elastic_resume_with_splitting(tiles_data, split_tok):
         dm = make_dm(two, split_tok, rank, 2)
         dm.load_state_dict(state)
         seen += [
-            k for b in take(dm, dm.current_plan().batches_per_rank() - dm.position.consumed) for k in b["sample_keys"]
+            k for b in take(dm, dm.current_split().batches_per_rank() - dm.position.consumed) for k in b["sample_keys"]
         ]
         dms.append(dm)
-    carry = [dms[0].table.keys[g] for g in dms[0].position.carry_in]
+    carry = carried_keys(*dms)
     assert len(seen) == len(set(seen)) and sorted(seen + carry) == all_keys(tiles_data[0] / "a")
 
 
