@@ -126,9 +126,10 @@ def child(directory: str, plan_max: int) -> dict[str, Any]:
     half = split.batches_per_rank() // 2  # resumed mid-epoch: the same split, a slot halfway through the ranks
     out["resume_split_s"], out["resume_slot_s"], _ = worker_plan(topo, topo.num_slots // 2 + 3)
     del split
+    out["pss_mb"] = _pss()  # a worker's steady state: the index, the table, its slot's plan
     if len(table) <= plan_max:  # elastic onto 48 x 8: every old slot packed once (O(N)) to find what is left
         out["elastic_split_s"], out["elastic_slot_s"], _ = worker_plan(Topology(48, 8), 5, [ConsumedPart(64, 8, half)])
-    out["pss_mb"] = _pss()
+    out["elastic_pss_mb"] = _pss()  # after packing every old slot (freed, but the heap may keep the pages)
     read, write = os.pipe()
     pid = os.fork()
     if pid == 0:  # a forked DataLoader worker: reads the length columns, reports its own PSS

@@ -1,7 +1,9 @@
 """Rank and world size, in one place: from torch.distributed once it is up, from the launcher's environment before;
 and the file lock the processes of one node coordinate with.
 
-Every helper works without torch.distributed (one process: rank 0 of 1), so callers never check for it.
+Every helper works without torch.distributed (one process: rank 0 of 1), so callers never check for it. torch is
+imported on first use: the index and the shard cache take the file lock from here, and tools that only read an
+index (prepare_data, analyze_data, the planner) should not pay torch's import.
 """
 
 from __future__ import annotations
@@ -10,43 +12,52 @@ import contextlib
 import fcntl
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-import torch.distributed as dist
+if TYPE_CHECKING:
+    import torch
+
+
+def _dist():
+    import torch.distributed
+
+    return torch.distributed
 
 
 def initialized() -> bool:
+    dist = _dist()
     return dist.is_available() and dist.is_initialized()
 
 
 def rank_world() -> tuple[int, int]:
     """(rank, world size) of the initialised process group, else (0, 1)."""
-    return (dist.get_rank(), dist.get_world_size()) if initialized() else (0, 1)
+    return (_dist().get_rank(), _dist().get_world_size()) if initialized() else (0, 1)
 
 
 def all_gather_object(obj: Any) -> list[Any]:
     """Every rank's ``obj`` in rank order (a collective: all ranks must call it); ``[obj]`` in one process."""
-    if not initialized() or dist.get_world_size() == 1:
+    if not initialized() or _dist().get_world_size() == 1:
         return [obj]
-    out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
+    out: list[Any] = [None] * _dist().get_world_size()
+    _dist().all_gather_object(out, obj)
     return out
 
 
 def any_rank(flag: bool, device: torch.device) -> bool:
     """True on every rank if ``flag`` is True on any rank (a collective: all ranks must call it)."""
-    if not initialized() or dist.get_world_size() == 1:
+    import torch
+
+    if not initialized() or _dist().get_world_size() == 1:
         return flag
     t = torch.tensor([1 if flag else 0], device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    _dist().all_reduce(t, op=_dist().ReduceOp.MAX)
     return bool(t.item())
 
 
 def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
     """``t`` summed over ranks, in place (a collective); unchanged in one process."""
     if initialized():
-        dist.all_reduce(t)
+        _dist().all_reduce(t)
     return t
 
 

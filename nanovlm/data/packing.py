@@ -57,7 +57,7 @@ def effective_lengths(
     overlength: str,
     prompts: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """The over-length rule, vectorised: (effective lengths int64 [n], skip code int8 [n]).
+    """The over-length rule, vectorised: (effective lengths [n], in the dtype of ``lengths``; skip code int8 [n]).
 
     Code 0 = packed (its length clipped to ``limit`` when truncated), else ``SKIP_REASONS[code - 1]``, the first
     that applies. ``prompts`` (optional) are the tokens before each item's first loss token: truncating an item
@@ -67,11 +67,11 @@ def effective_lengths(
     """
     if overlength not in OVERLENGTH_CHOICES:
         raise ValueError(f"overlength must be one of {OVERLENGTH_CHOICES}, got {overlength!r}")
-    n, m = np.asarray(lengths, np.int64), np.asarray(n_images, np.int64)
+    n, m = np.asarray(lengths), np.asarray(n_images)  # dtypes kept: the planner passes int32 columns of N rows
     if len(n) != len(m) or (prompts is not None and len(prompts) != len(n)):
         raise ValueError(f"lengths ({len(n)}), n_images ({len(m)}) and prompts differ in length")
     over = n > limit
-    prompt_fills = np.asarray(prompts, np.int64) >= limit if prompts is not None else np.zeros(len(n), bool)
+    prompt_fills = np.asarray(prompts) >= limit if prompts is not None else np.zeros(len(n), bool)
     drop = over & ((overlength == "drop") | prompt_fills)
     code = np.select([n <= 0, m > max_images, drop], [1, 2, 3], 0).astype(np.int8)
     return np.where(over, limit, n), code

@@ -257,11 +257,12 @@ def epoch_order(
                 gids = gids[np.sort(keep)]
             passes.append(gids.astype(np.int64))
         per_dir.append(np.concatenate(passes) if passes else np.zeros(0, np.int64))
-    # interleave directories in proportion to their sizes (each spread evenly over the epoch)
-    rel = np.concatenate([(np.arange(len(g)) + 0.5) / max(1, len(g)) for g in per_dir])
-    src = np.concatenate([np.full(len(g), d) for d, g in enumerate(per_dir)])
-    gids = np.concatenate(per_dir)
-    order = gids[np.lexsort((src, rel))]
+    if n_dirs == 1:
+        order = per_dir[0]
+    else:  # interleave directories in proportion to their sizes (each spread evenly over the epoch)
+        rel = np.concatenate([(np.arange(len(g)) + 0.5) / max(1, len(g)) for g in per_dir])
+        src = np.concatenate([np.full(len(g), d) for d, g in enumerate(per_dir)])
+        order = np.concatenate(per_dir)[np.lexsort((src, rel))]
     if shuffle and shuffle_buffer > 1 and len(order) > 1:
         # bounded window shuffle: sort by position + U(0, buffer); no sample moves by more than `buffer`
         jitter = _rng(seed, epoch, 1 << 20).uniform(0.0, float(shuffle_buffer), len(order))
@@ -374,14 +375,14 @@ def split_epoch(
     bound = carry.bound if per_slot else np.zeros((s, 3), np.int64)
     if per_slot and (len(bound) != s or (carry.slots and set(carry.slots) - set(range(s)))):
         raise PlanError(f"epoch {epoch}: a carry of {len(bound)} slots cannot open an epoch of {s} slots")
+    length, n_images = table.length[order], table.n_images[order]  # int32 [n]
+    bounds = balanced_chunks(np.minimum(length, spec.max_tokens), s, bound[:, 0] if per_slot else None)
     eff, code = packing.effective_lengths(
-        table.length[order], table.n_images[order], spec.limit, spec.image_limit, spec.overlength, table.prompt[order]
+        length, n_images, spec.limit, spec.image_limit, spec.overlength, table.prompt[order]
     )
     ok = code == 0
-    units = np.stack([np.where(ok, eff, 0), np.where(ok, table.n_images[order], 0), ok.astype(np.int64)], 1)
-    bounds = balanced_chunks(np.minimum(table.length[order], spec.max_tokens), s, bound[:, 0] if per_slot else None)
-    cum = np.concatenate([np.zeros((1, 3), np.int64), np.cumsum(units, 0, dtype=np.int64)])
-    total = bound + cum[bounds[1:]] - cum[bounds[:-1]]  # [s, 3]
+    fresh = [_chunk_sums(np.where(ok, eff, 0), bounds), _chunk_sums(np.where(ok, n_images, 0), bounds)]
+    total = bound + np.stack([*fresh, _chunk_sums(ok, bounds)], 1)  # [s, 3]
     cap = spec.capacity
     need = np.where(cap > 0, -(-total // np.maximum(cap, 1)), 0).max(1)  # packs each slot makes at least
     k = int(need.min()) if s else 0
@@ -390,6 +391,12 @@ def split_epoch(
     if table.vision_unit == "tiles" and "too_many_images" in skips:
         skips["too_many_tiles"] = skips.pop("too_many_images")
     return EpochSplit(epoch, topology, order, bounds, carry if per_slot else Carry(), k, nxt, skips, total)
+
+
+def _chunk_sums(x: np.ndarray, bounds: np.ndarray) -> np.ndarray:
+    """Sums of ``x`` over the chunks ``bounds`` cuts it into (int64; empty chunks sum to 0)."""
+    cum = np.concatenate([[0], np.cumsum(x, dtype=np.int64)])
+    return cum[bounds[1:]] - cum[bounds[:-1]]
 
 
 @dataclass
