@@ -9,8 +9,8 @@ stat them, planning never reads them). A fresh child process per size then times
 * building the sample table (the length columns for the run's model),
 * what a DataLoader worker of 64 ranks x 8 workers does before its first read: the epoch's split and pack count
   (vectorised, every process) and the packing of its own slot, fresh and resumed mid-epoch; and after an
-  elastic resume of a half-consumed epoch onto 48 x 8, which packs every old slot once (skipped above
-  ``--scale-plan-max`` samples),
+  elastic resume of a half-consumed epoch onto 48 x 8 (the old slots' frontiers, of the size workers report,
+  say what each left: vectorised; skipped above ``--scale-plan-max`` samples),
 
 and reports its proportional set size (PSS, ``/proc/self/smaps_rollup``) split into anonymous memory (its own)
 and file-backed pages (the mapped columns, shared by every process of a node), plus the PSS of a process
@@ -125,10 +125,11 @@ def child(directory: str, plan_max: int) -> dict[str, Any]:
     out["packs_per_slot"] = split.packs_per_slot
     half = split.batches_per_rank() // 2  # resumed mid-epoch: the same split, a slot halfway through the ranks
     out["resume_split_s"], out["resume_slot_s"], _ = worker_plan(topo, topo.num_slots // 2 + 3)
-    del split
     out["pss_mb"] = _pss()  # a worker's steady state: the index, the table, its slot's plan
-    if len(table) <= plan_max:  # elastic onto 48 x 8: every old slot packed once (O(N)) to find what is left
-        out["elastic_split_s"], out["elastic_slot_s"], _ = worker_plan(Topology(48, 8), 5, [ConsumedPart(64, 8, half)])
+    if len(table) <= plan_max:  # elastic onto 48 x 8: the old slots' frontiers say what is left (no packing)
+        history = [ConsumedPart(64, 8, half, _frontiers(table, spec, split))]
+        out["elastic_split_s"], out["elastic_slot_s"], _ = worker_plan(Topology(48, 8), 5, history)
+    del split
     out["elastic_pss_mb"] = _pss()  # after packing every old slot (freed, but the heap may keep the pages)
     read, write = os.pipe()
     pid = os.fork()
@@ -142,6 +143,20 @@ def child(directory: str, plan_max: int) -> dict[str, Any]:
     os.waitpid(pid, 0)
     out["peak_rss_mb"] = _status_mb("VmHWM")
     return out
+
+
+def _frontiers(table, spec, split) -> tuple[tuple[int, ...], ...]:
+    """Frontiers of the size a half-consumed epoch's slots report (top halfway through the chunk, 32 holes below
+    it): the elastic timing depends on their sizes, not on which packs made them, so none is packed here."""
+    from nanovlm.data.shards import packable
+
+    rng, out = np.random.default_rng(0), []
+    for slot in range(split.topology.num_slots):
+        ok = np.flatnonzero(packable(table, spec, split.chunk(slot)))
+        top = int(ok[len(ok) // 2])
+        holes = np.sort(rng.choice(ok[ok < top], min(32, int((ok < top).sum())), replace=False))
+        out.append((top, *holes.tolist()))
+    return tuple(out)
 
 
 def _status_mb(field: str) -> float:

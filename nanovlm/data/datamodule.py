@@ -101,6 +101,7 @@ class PackedMultimodalDataModule(L.LightningDataModule):
         self.device_decoder = DeviceDecoder()  # data.image_decode=device: decodes packs' JPEGs after the move
         self._split_cache: tuple[tuple, EpochSplit] | None = None
         self._carry_out: dict[int, np.ndarray] = {}  # slot -> what its last pack of this epoch carries on
+        self._frontier: dict[int, list[int]] = {}  # slot -> how far its consumed packs reached (shards.Frontier)
         self._pending_state: dict | None = None
         self._planned_per_ds: np.ndarray | None = None
 
@@ -261,12 +262,13 @@ class PackedMultimodalDataModule(L.LightningDataModule):
             names, rate = self.table.dataset_names, self.cfg.max_skip_rate
             self.counters.check_skip_rate(self._planned_samples(), names, epoch, rate)
         self.position.consumed = index + 1
+        self._frontier[int(meta["worker_slot"])] = list(meta["slot_frontier"])
         if "slot_carry" in meta:  # a slot's last pack: what it left opens its next chunk
             self._carry_out[int(meta["worker_slot"])] = np.asarray(meta["slot_carry"], np.int64)
         if meta.get("epoch_end"):
             self.counters.end_epoch(epoch, self.rank)
             carry = Carry(self._carry_out, np.asarray(meta["carry_bound"], np.int64).reshape(-1, 3))
-            self.position, self._carry_out = Position(epoch + 1, 0, carry, ()), {}
+            self.position, self._carry_out, self._frontier = Position(epoch + 1, 0, carry, ()), {}, {}
             self._planned_per_ds = None
 
     # ---- state -------------------------------------------------------------------------------------------------
@@ -280,15 +282,17 @@ class PackedMultimodalDataModule(L.LightningDataModule):
             return {}
         pos = self.position
         mine = self.counters.rank_state(self.rank, pos.epoch, pos.consumed)
-        if pos.carry.slots:
+        if pos.carry.slots and not pos.history:  # after an elastic resume every rank holds all (history_carry)
             mine.carry_in = [pos.carry.slots[s].tolist() for s in self._own_slots()]
+        mine.frontier = [self._frontier.get(s, []) for s in self._own_slots()]
         ranks = all_gather_object(mine) if self.world_size > 1 else [mine]
         state = DataState(
             world_size=self.world_size,
             num_workers=self.cfg.num_workers,
             carry_prefix=pos.carry.prefix.tolist(),
             carry_bound=pos.carry.bound.tolist(),
-            history=[dataclasses.astuple(h) for h in pos.history],
+            history=[[h.world_size, h.num_workers, h.consumed, [list(f) for f in h.frontiers]] for h in pos.history],
+            history_carry=[pos.carry.slots[s].tolist() for s in sorted(pos.carry.slots)] if pos.history else [],
             config=self._fingerprint(),
             dataset_names=list(self.table.dataset_names),
             ranks=ranks,
@@ -316,6 +320,14 @@ class PackedMultimodalDataModule(L.LightningDataModule):
 
         self.position, skip_ranks = restore(saved, self.topology, self.rank, len(self.table), split)
         self._carry_out = {}
+        same = (saved.world_size, saved.num_workers) == (self.world_size, self.cfg.num_workers)
+        self._frontier = (
+            {  # the same topology continues its slots' frontiers; a new one starts its own
+                self.rank * len(self._own_slots()) + j: f for r in skip_ranks for j, f in enumerate(r.frontier) if f
+            }
+            if same
+            else {}
+        )
         self.counters.restore(skip_ranks)
         self._planned_per_ds = None
 

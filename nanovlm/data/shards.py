@@ -414,6 +414,13 @@ class SlotPlan:
     def pack_gids(self, k: int) -> np.ndarray:
         return self.gids[self.packs[k]]
 
+    def packable(self) -> np.ndarray:
+        """Mask of the positions a pack can take (all but the skipped)."""
+        mask = np.ones(len(self.gids), bool)
+        for positions in self.skipped.values():
+            mask[positions] = False
+        return mask
+
 
 def pack_slot(table: SampleTable, spec: PackSpec, split: EpochSplit, slot: int, finite: bool = False) -> SlotPlan:
     """Pack one slot's chunk and keep its first K packs, carrying the samples of the rest (``finite``: keep
@@ -431,6 +438,45 @@ def pack_slot(table: SampleTable, spec: PackSpec, split: EpochSplit, slot: int, 
     return SlotPlan(slot, gids, packs[:k], np.asarray(res.lengths, np.int64), skipped, len(res.truncated), carry_out)
 
 
+class Frontier:
+    """How far a slot's packs have consumed its chunk, in O(lookahead) numbers: ``(top, *holes)``, with ``top`` the
+    last position any consumed pack took and ``holes`` the packable positions below it that none took yet.
+
+    The online packer takes items from a buffer of the next ``lookahead`` items, so every position it has not
+    reached is unconsumed and at most a buffer's worth below ``top`` is: what remains of the chunk is the holes
+    plus every packable position after ``top``, whatever the packer's internal state. A worker advances one
+    per pack and sends it with the batch; a saved state holds the last of every slot, so an elastic resume
+    finds what each old slot left without packing it again.
+    """
+
+    def __init__(self, packable: np.ndarray) -> None:
+        self.packable, self.top, self.holes = packable, -1, set()
+
+    def advance(self, pack: np.ndarray) -> list[int]:
+        """Consume ``pack`` (positions); returns the frontier after it."""
+        hi = int(pack.max()) if pack.size else self.top
+        if hi > self.top:
+            self.holes.update((np.flatnonzero(self.packable[self.top + 1 : hi + 1]) + self.top + 1).tolist())
+            self.top = hi
+        self.holes.difference_update(pack.tolist())
+        return [self.top, *sorted(self.holes)]
+
+    @staticmethod
+    def remaining(packable: np.ndarray, frontier: Sequence[int]) -> np.ndarray:
+        """Mask of the chunk's positions still to be packed after ``frontier`` (empty: nothing consumed)."""
+        keep = packable.copy()
+        if len(frontier):
+            keep[: frontier[0] + 1] = False
+            keep[np.asarray(frontier[1:], np.int64)] = True
+        return keep
+
+
+def packable(table: SampleTable, spec: PackSpec, gids: np.ndarray) -> np.ndarray:
+    """Which of ``gids`` a pack can take (the over-length and image rules; ``packing.effective_lengths``)."""
+    args = (spec.limit, spec.image_limit, spec.overlength, table.prompt[gids])
+    return packing.effective_lengths(table.length[gids], table.n_images[gids], *args)[1] == 0
+
+
 @dataclass(frozen=True)
 class ConsumedPart:
     """Part of an epoch consumed under an earlier topology (for elastic resume)."""
@@ -438,6 +484,16 @@ class ConsumedPart:
     world_size: int
     num_workers: int
     consumed: int  # batches each rank had consumed under that topology
+    frontiers: tuple[tuple[int, ...], ...] = ()  # per slot, its ``Frontier`` then (empty: consumed nothing)
+
+    def remaining(self, table: SampleTable, spec: PackSpec, split: EpochSplit) -> np.ndarray:
+        """Gids of ``split`` (this part's) that its slots had not consumed nor skipped, slot after slot."""
+        out = []
+        for slot in range(split.topology.num_slots):
+            gids = split.chunk(slot)
+            frontier = self.frontiers[slot] if slot < len(self.frontiers) else ()
+            out.append(gids[Frontier.remaining(packable(table, spec, gids), frontier)])
+        return np.concatenate(out) if out else np.zeros(0, np.int64)
 
 
 @dataclass
@@ -508,25 +564,19 @@ class EpochPlan:
         parts += [p for s in slots for p in self.slot_skips(s).values()]
         return np.concatenate(parts) if parts else np.zeros(0, np.int64)
 
-    def consumed_positions(self, consumed: int) -> np.ndarray:
-        """Positions in the packs a rank stream has consumed after ``consumed`` batches, for every rank.
+    def consumed_part(self, consumed: int) -> ConsumedPart:
+        """This plan's part after ``consumed`` batches per rank, with every slot's frontier (as workers report it).
 
         Batch ``b`` of a rank comes from its local slot ``b % slots_per_rank``, pack ``b // slots_per_rank``.
         """
-        spr = self.topology.slots_per_rank
-        out = []
-        for slot in range(self.topology.num_slots):
-            n_packs = max(0, -(-(consumed - slot % spr) // spr))  # ceil((consumed - local) / spr)
-            out += [self.pack(slot, k) for k in range(min(n_packs, self.packs_per_slot))]
-        return np.concatenate(out) if out else np.zeros(0, np.int64)
-
-    def remaining(self, consumed: int) -> np.ndarray:
-        """Gids of the epoch not yet consumed after ``consumed`` batches per rank, nor skipped, in plan order
-        (the carry of every slot included)."""
-        gone = [self.consumed_positions(consumed), *self.skipped.values()]
-        keep = np.ones(len(self.order), bool)
-        keep[np.concatenate(gone)] = False
-        return self.order[keep]
+        spr, out = self.topology.slots_per_rank, []
+        for p in self.slots:
+            n_packs = min(self.packs_per_slot, max(0, -(-(consumed - p.slot % spr) // spr)))
+            f, frontier = Frontier(p.packable()), []
+            for k in range(n_packs):
+                frontier = f.advance(p.packs[k])
+            out.append(tuple(frontier))
+        return ConsumedPart(self.topology.world_size, self.topology.num_workers, consumed, tuple(out))
 
 
 def pack_all(table: SampleTable, spec: PackSpec, split: EpochSplit, finite: bool = False) -> EpochPlan:
@@ -586,8 +636,8 @@ def plan_split(
     """The split of ``epoch`` for ``topology``: vectorised, except after a change of topology mid-epoch.
 
     ``history`` lists the parts of this epoch consumed under earlier topologies (``carry`` opened the first):
-    each is packed in turn (O(N), once per resume) and what it consumed or skipped is removed, so the split
-    covers exactly what remains, over the new topology. When that remainder cannot give every new slot a pack,
+    each is split in turn and what its slots' frontiers say they consumed or skipped is removed (vectorised, no
+    packing), so the split covers exactly what remains, over the new topology. When that remainder cannot give every new slot a pack,
     K = 0 and the whole remainder opens the next epoch (``state.restore``). A fresh epoch with K = 0 is a
     ``PlanError`` naming the cause; so is a training epoch without samples.
     """
@@ -598,11 +648,9 @@ def plan_split(
             f"epoch {epoch} has no samples to train on: the data.train directories hold no samples, or "
             "data.train_weights round every directory down to zero samples"
         )
-    for part in history:
-        old = pack_all(
-            table, spec, split_epoch(table, spec, Topology(part.world_size, part.num_workers), order, carry, epoch)
-        )
-        order, carry = old.remaining(part.consumed), Carry()
+    for part in history:  # vectorised: each part's frontiers say what its slots left
+        old = split_epoch(table, spec, Topology(part.world_size, part.num_workers), order, carry, epoch)
+        order, carry = part.remaining(table, spec, old), Carry()
     split = split_epoch(table, spec, topology, order, carry, epoch)
     if split.packs_per_slot == 0 and len(split.fresh) and not (finite or history):
         raise PlanError(_no_pack_message(split))

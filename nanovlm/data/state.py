@@ -46,8 +46,8 @@ class Position:
 
 @dataclass
 class RankState:
-    """One rank's position, skip counts (``epoch_skips``: [reason, dataset, count] of this epoch) and the carry
-    each of its slots opened the epoch with (``carry_in[local slot]``: gids)."""
+    """One rank's position, skip counts (``epoch_skips``: [reason, dataset, count] of this epoch), the carry each of
+    its slots opened the epoch with (``carry_in[local slot]``: gids) and how far each consumed its chunk."""
 
     rank: int
     epoch: int
@@ -55,6 +55,7 @@ class RankState:
     epoch_skips: list[list] = field(default_factory=list)
     total_skips: dict[str, int] = field(default_factory=dict)
     carry_in: list[list[int]] = field(default_factory=list)
+    frontier: list[list[int]] = field(default_factory=list)  # per local slot: its shards.Frontier (elastic resume)
 
 
 @dataclass
@@ -65,7 +66,8 @@ class DataState:
     num_workers: int
     carry_prefix: list[int]  # gids opening the epoch ahead of every slot (after a change of topology)
     carry_bound: list[list[int]]  # [slots][3]: the common lower bound on each slot's carry (shards.Carry)
-    history: list[tuple[int, int, int]]
+    history: list[list]  # [world_size, num_workers, consumed, frontiers] per earlier topology of the epoch
+    history_carry: list[list[int]]  # with history: every slot's carry of the epoch's first topology
     config: dict[str, Any]  # the fingerprint (see ``fingerprint``)
     dataset_names: list[str]  # for messages only: the content hashes in ``config`` decide
     ranks: list[RankState]
@@ -97,7 +99,7 @@ class DataState:
         ranks = {r.rank: r for s in states for r in s.ranks}
         out.ranks = [ranks[k] for k in sorted(ranks)]
         for s in states[1:]:
-            for k in ("world_size", "num_workers", "carry_prefix", "carry_bound", "history", "config"):
+            for k in ("world_size", "num_workers", "carry_prefix", "carry_bound", "history", "history_carry", "config"):
                 if getattr(s, k) != getattr(out, k):
                     raise DataStateError(f"ranks disagree on the data state field {k!r}")
         positions = {(r.epoch, r.consumed) for r in out.ranks}
@@ -165,13 +167,17 @@ def restore(
             "(call state_dict() on every rank under torch.distributed)"
         )
     epoch, consumed = state.ranks[0].epoch, state.ranks[0].consumed
-    history = tuple(ConsumedPart(*h) for h in state.history)
+    history = tuple(part(*h) for h in state.history)
     carry = saved_carry(state)
     if any(g.size and int(g.max()) >= num_samples for g in (carry.prefix, *carry.slots.values())):
         raise DataStateError("the data state carries samples that are not in the datasets")
     same = (state.world_size, state.num_workers) == (topology.world_size, topology.num_workers)
     if not same and consumed:
-        history = (*history, ConsumedPart(state.world_size, state.num_workers, consumed))
+        spr = max(1, state.num_workers)
+        frontiers = [[]] * (state.world_size * spr)
+        for r in state.ranks:
+            frontiers[r.rank * spr : r.rank * spr + len(r.frontier)] = r.frontier
+        history = (*history, part(state.world_size, state.num_workers, consumed, frontiers))
         consumed = 0
         log.info(
             "data: resuming epoch %d with world_size=%d, workers=%d (saved with %d, %d): re-planning the rest",
@@ -190,10 +196,18 @@ def restore(
     return pos, [r for r in state.ranks if r.rank == rank] if same else (state.ranks if rank == 0 else [])
 
 
+def part(world_size: int, num_workers: int, consumed: int, frontiers: list[list[int]] = ()) -> ConsumedPart:
+    """A ``ConsumedPart`` from its saved form (lists)."""
+    return ConsumedPart(world_size, num_workers, consumed, tuple(tuple(int(x) for x in f) for f in frontiers))
+
+
 def saved_carry(state: DataState) -> Carry:
-    """The carry the saved epoch opened with, every slot's gathered from the rank that packed it."""
+    """The carry the saved epoch opened with: every slot's, gathered from the rank that packed it (after an elastic
+    resume, every rank holds all of the first topology's, ``history_carry``)."""
     spr = max(1, state.num_workers)
     slots = {r.rank * spr + j: np.asarray(g, np.int64) for r in state.ranks for j, g in enumerate(r.carry_in)}
+    if state.history:
+        slots = {s: np.asarray(g, np.int64) for s, g in enumerate(state.history_carry)}
     bound = np.asarray(state.carry_bound, np.int64).reshape(-1, 3)
     if len(bound) and len(slots) != len(bound):
         raise DataStateError(f"the data state lists the carries of {len(slots)} of its {len(bound)} slots")

@@ -30,6 +30,7 @@ from nanovlm.data.remote import Prefetcher, ShardCache
 from nanovlm.data.shards import (
     Carry,
     EpochSplit,
+    Frontier,
     PackSpec,
     SampleTable,
     SlotPlan,
@@ -114,12 +115,16 @@ class PackStream(IterableDataset):
         k = first_pack
         while True:
             n_packs = len(plan.packs)
+            frontier = Frontier(plan.packable())
+            for done in plan.packs[: min(k, n_packs)]:  # resumed mid-epoch: the packs consumed before
+                frontier.advance(done)
             while k < n_packs:
                 if prefetch is not None and (k == 0 or k == first_pack or k % 4 == 0):  # at a start, then every 4
                     prefetch.upcoming(self._shards_ahead(plan, k))
                 positions = plan.packs[k]
                 gids = plan.gids[positions]
                 extra: dict[str, Any] = {"epoch": pos.epoch, "index": k * spr + local, "worker_slot": slot}
+                extra["slot_frontier"] = frontier.advance(positions)  # what an elastic resume needs of this slot
                 if k == 0:  # the skips the planner made in this slot's chunk, reported once per epoch
                     # plain dicts: torch's default_convert/pin_memory copy a mapping and then update() it, which
                     # would add a Counter's counts twice

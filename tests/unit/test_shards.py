@@ -9,7 +9,6 @@ import pytest
 from nanovlm.data.index import DatasetIndex, ShardIndex
 from nanovlm.data.shards import (
     Carry,
-    ConsumedPart,
     PackSpec,
     PlanError,
     SampleTable,
@@ -177,7 +176,7 @@ def test_elastic_replan_of_a_small_remainder_ends_the_epoch():
     consumed = old.batches_per_rank() - 1
     left = old.order[old.pack(0, consumed)].tolist() + old.carry_out.tolist()
     assert 0 < len(left) < 8
-    rest = plan_split(t, SPEC, Topology(4, 2), seed=0, epoch=3, history=[ConsumedPart(1, 0, consumed)])
+    rest = plan_split(t, SPEC, Topology(4, 2), 0, 3, history=[old.consumed_part(consumed)], shuffle_buffer=4)
     assert rest.packs_per_slot == 0 and sorted(rest.fresh.tolist()) == sorted(left)
     nxt = build_epoch_plan(t, SPEC, Topology(4, 2), seed=0, epoch=4, carry=Carry(prefix=rest.fresh))
     check_partition(nxt, t)
@@ -195,15 +194,27 @@ def test_padded_modes_plan_fixed_batches():
     check_partition(plan, t, packed=False)
 
 
+def consumed_by_batches(plan, consumed):
+    """Positions of the packs each rank consumed after ``consumed`` batches, read off the packs themselves: batch
+    ``b`` of a rank is pack ``b // W`` of its local slot ``b % W``."""
+    w = plan.topology.slots_per_rank
+    return [
+        int(p)
+        for r in range(plan.topology.world_size)
+        for b in range(consumed)
+        if b // w < plan.packs_per_slot
+        for p in plan.pack(r * w + b % w, b // w)
+    ]
+
+
 @pytest.mark.parametrize("old,new", [((2, 2), (1, 2)), ((1, 1), (3, 1)), ((2, 1), (3, 2))])
 def test_elastic_replan_continues_the_epoch_without_loss_or_repeat(old, new):
     t = make_table(UNEVEN)
     old_plan = build_epoch_plan(t, SPEC, Topology(*old), seed=5, epoch=2, shuffle_buffer=8)
     consumed = old_plan.batches_per_rank() // 2 + 1
-    done = old_plan.consumed_positions(consumed)
-    rest = build_epoch_plan(
-        t, SPEC, Topology(*new), seed=5, epoch=2, history=[ConsumedPart(*old, consumed)], shuffle_buffer=8
-    )
+    done = consumed_by_batches(old_plan, consumed)
+    part = old_plan.consumed_part(consumed)
+    rest = build_epoch_plan(t, SPEC, Topology(*new), seed=5, epoch=2, history=[part], shuffle_buffer=8)
     check_partition(rest, t)
     got_old = old_plan.order[done].tolist()
     got_new = [
@@ -215,9 +226,30 @@ def test_elastic_replan_continues_the_epoch_without_loss_or_repeat(old, new):
     skipped = [g for p in old_plan.skipped.values() for g in old_plan.order[p]]
     everything = sorted(got_old + got_new + rest.carry_out.tolist() + skipped)
     assert everything == sorted(old_plan.order.tolist())  # each sample of the epoch exactly once
-    # consumed positions: batch b of a rank = local slot b % W, pack b // W
-    w = max(1, old[1])
-    assert len(done) == sum(len(old_plan.pack(r * w + b % w, b // w)) for r in range(old[0]) for b in range(consumed))
+
+
+@pytest.mark.parametrize("case", range(16))
+def test_frontiers_say_exactly_what_the_consumed_packs_left(case):
+    """An elastic resume reads what each old slot left from its frontier (top position + holes below it) instead
+    of packing the slot again: for random data, specs, topologies and positions, that is exactly the slot's chunk
+    minus the positions of its consumed packs and its skips, and a frontier never holds more holes than the
+    packer's lookahead."""
+    rng = np.random.default_rng(100 + case)
+    n = int(rng.integers(30, 300))
+    length = np.clip(rng.lognormal(3.5, 1.3, n), 1, 2000).astype(np.int64)
+    t = raw_table(length, rng.integers(0, 6, n) * (rng.random(n) < 0.6), rng.integers(1, 40, n))
+    spec = SPECS[case % len(SPECS)]
+    topo = Topology(int(rng.integers(1, 4)), int(rng.integers(0, 4)))
+    try:
+        plan = build_epoch_plan(t, spec, topo, seed=case, epoch=0, shuffle_buffer=4)
+    except PlanError:
+        return
+    consumed = int(rng.integers(0, plan.batches_per_rank() + 1))
+    part = plan.consumed_part(consumed)
+    gone = set(consumed_by_batches(plan, consumed)) | {int(p) for v in plan.skipped.values() for p in v}
+    want = plan.order[[i for i in range(len(plan.order)) if i not in gone]]
+    assert part.remaining(t, spec, plan.split).tolist() == want.tolist()
+    assert max((len(f) - 1 for f in part.frontiers), default=0) <= (spec.lookahead if spec.mode == "packed" else 0)
 
 
 # Every source of per-epoch randomness must depend on the epoch (each alone was hidden by the others)
@@ -261,7 +293,7 @@ def test_elastic_replan_does_not_skip_the_old_plans_skips_again():
     old = build_epoch_plan(t, SPEC_SKIP, Topology(2, 1), seed=5, epoch=2, shuffle_buffer=8)
     assert old.skipped
     rest = build_epoch_plan(
-        t, SPEC_SKIP, Topology(1, 2), seed=5, epoch=2, history=[ConsumedPart(2, 1, 2)], shuffle_buffer=8
+        t, SPEC_SKIP, Topology(1, 2), seed=5, epoch=2, history=[old.consumed_part(2)], shuffle_buffer=8
     )
     old_skipped = {int(old.order[p]) for v in old.skipped.values() for p in v}
     new_skipped = {int(rest.order[p]) for v in rest.skipped.values() for p in v}

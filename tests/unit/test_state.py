@@ -94,6 +94,38 @@ def test_elastic_resume_loses_and_repeats_nothing(data, tiny_tokenizer, old, new
     assert sorted(seen + carry) == all_keys(data / "a", data / "b")  # nothing lost (carry opens epoch 1)
 
 
+def test_two_elastic_resumes_in_an_epoch_that_opened_with_per_slot_carries(data, tiny_tokenizer):
+    """2 ranks x 2 workers cross into epoch 1 (each slot carrying its own leftovers, each rank knowing only its
+    slots'), resume on 3 x 1 mid-epoch, then on 1 x 2: epoch 1's samples are each trained once, or carried on."""
+    cfgs = {w: make_cfg([data / "a", data / "b"], num_workers=w, max_tokens=160) for w in (1, 2)}
+
+    def run(world, workers, n, state=None):
+        keys, states, dms = [], [], []
+        for rank in range(world):
+            dm = make_dm(cfgs[workers], tiny_tokenizer, rank, world)
+            if state is not None:
+                dm.load_state_dict(state)
+            left = dm.current_split().batches_per_rank() - dm.position.consumed
+            keys += [(b["meta"]["epoch"], k) for b in take(dm, left if n is None else n) for k in b["sample_keys"]]
+            states.append(dm.state_dict())
+            dms.append(dm)
+        return keys, PackedMultimodalDataModule.merge_rank_states(states), dms
+
+    per_epoch = make_dm(cfgs[2], tiny_tokenizer, 0, 2).current_split().batches_per_rank()
+    first, s1, _ = run(2, 2, per_epoch + 2)
+    assert s1["ranks"][0]["epoch"] == 1 and any(any(r["carry_in"]) for r in s1["ranks"])  # per-slot carries
+    opened = make_dm(cfgs[2], tiny_tokenizer)
+    opened.load_state_dict(s1)
+    carried_in = carried_keys(opened)
+    second, s2, _ = run(3, 1, 2, s1)
+    assert len(s2["history"]) == 1
+    third, _, dms = run(1, 2, None, s2)
+    assert dms[0].position.epoch == 2
+    epoch1 = [k for e, k in first + second + third if e == 1]
+    # each sample once, except those epoch 0 carried in (they also come fresh): nothing lost, nothing repeated
+    assert sorted(epoch1 + carried_keys(*dms)) == sorted(all_keys(data / "a", data / "b") + carried_in)
+
+
 def test_elastic_resume_at_the_end_of_an_epoch_onto_more_slots(data, tiny_tokenizer):
     """One pack left in the epoch, resumed on 4 ranks x 2 workers: the rest cannot give 8 slots a batch each,
     so it opens the next epoch (it used to be a PlanError that made the checkpoint unusable on that topology)."""
