@@ -14,7 +14,9 @@ stat them, planning never reads them). A fresh child process per size then times
 
 and reports its proportional set size (PSS, ``/proc/self/smaps_rollup``) split into anonymous memory (its own)
 and file-backed pages (the mapped columns, shared by every process of a node), plus the PSS of a process
-forked from it that touches the length columns (a DataLoader worker). Separately, ``prepare_data`` in
+forked from it that touches the length columns (a DataLoader worker). Then, on an index of the same size whose
+shards link to the demo data's real shards (``make_real_index``), the time to a worker's first batch through the
+DataModule, fresh, resumed mid-epoch and after an elastic resume (``first_batch``). Separately, ``prepare_data`` in
 index-only mode is timed on real shards in one process (samples/s per core), decoding every image and reading
 headers only (``--image-check``).
 """
@@ -87,6 +89,106 @@ def make_index(directory: Path, n: int, seed: int = 0, chunk: int = 1 << 22) -> 
     for f in build.iterdir():
         f.unlink()
     build.rmdir()
+
+
+def make_real_index(directory: Path, n: int, source: Path) -> None:
+    """An index of ``n`` samples over ``N_SHARDS`` links to the real shards of ``source`` (a prepared dataset), its
+    rows repeated: every read is real (tar members, image decoding, tokenizing), only the size is not. Written
+    once; reused after."""
+    from nanovlm.data.index import COLUMNS, DatasetIndex, ShardEntry, load_index
+
+    if (directory / "index" / "meta.json").is_file():
+        return
+    directory.mkdir(parents=True, exist_ok=True)
+    src = load_index(source)
+    c, starts = src.columns, src.shard_start
+    img_start = np.concatenate([[0], np.cumsum(c["n_images"], dtype=np.int64)])
+    key_start = np.concatenate([[0], c["key_ends"]]).astype(np.int64)
+    per_shard = -(-n // N_SHARDS)
+    rows = []  # per shard entry: the real rows it repeats
+    for s, lo in enumerate(range(0, n, per_shard)):
+        r = s % len(src.shards)
+        rows.append(starts[r] + np.arange(min(per_shard, n - lo)) % (starts[r + 1] - starts[r]))
+    n_img = sum(int(c["n_images"][x].sum()) for x in rows)
+    n_key = sum(int((key_start[x + 1] - key_start[x]).sum()) for x in rows)
+    build = directory / ".build"
+    build.mkdir(exist_ok=True)
+    sizes = {"samples": (n,), "images": (n_img, 2), "key_bytes": (n_key,)}
+    cols = {
+        name: np.lib.format.open_memmap(build / f"{name}.npy", "w+", np.dtype(dt), sizes[kind])
+        for name, (dt, kind) in COLUMNS.items()
+    }
+    shards, lo, img, key = [], 0, 0, 0
+    for s, x in enumerate(rows):
+        hi = lo + len(x)
+        for name in ("offset", "nbytes", "text_tokens", "n_images", "prompt_tokens", "prompt_images"):
+            cols[name][lo:hi] = c[name][x]
+        cols["image_sizes"][img : img + int(c["n_images"][x].sum())] = c["image_sizes"][_ranges(img_start, x)]
+        k = _ranges(key_start, x)
+        cols["keys"][key : key + len(k)] = c["keys"][k]
+        cols["key_ends"][lo:hi] = key + np.cumsum(key_start[x + 1] - key_start[x])
+        real = src.shards[s % len(src.shards)]
+        link = directory / f"shard-{s:06d}.tar"
+        if not link.exists():
+            link.symlink_to(src.shard_path(real).resolve())
+        shards.append(ShardEntry(link.name, real.size_bytes, len(x), real.crc32))
+        lo, img, key = hi, img + int(c["n_images"][x].sum()), key + len(k)
+    DatasetIndex(directory, src.tokenizer, src.image_token_count, "benchmarks/scale.py", shards, cols).save()
+    del cols
+    for f in build.iterdir():
+        f.unlink()
+    build.rmdir()
+
+
+def _ranges(start: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """The concatenated index ranges ``start[r]:start[r + 1]`` of ``rows``."""
+    lengths = start[rows + 1] - start[rows]
+    offsets = np.repeat(start[rows] - np.concatenate([[0], np.cumsum(lengths)[:-1]]), lengths)
+    return np.arange(int(lengths.sum())) + offsets
+
+
+def first_batch(directory: str, tokenizer: str, scenario: str) -> dict[str, Any]:
+    """Time to one worker's first batch through ``PackedMultimodalDataModule``, in a fresh process (``python -m
+    benchmarks.scale --first-batch DIR TOKENIZER fresh|resumed|elastic``), for 64 ranks x 8 workers (48 x 8 after
+    an elastic resume of a half-consumed epoch). Timed from the DataModule's construction (imports excluded):
+    setup (index, table), the split, then the worker's first pack planned, read, decoded, tokenized, collated."""
+    from nanovlm.config import load_config
+    from nanovlm.data.datamodule import PackedMultimodalDataModule
+    from nanovlm.data.shards import ConsumedPart, Topology, plan_split
+    from nanovlm.data.state import Position
+
+    cfg = load_config(["tiny_cpu.yaml"], [f"data.train=[{directory}]", "data.val=[]", f"data.tokenizer={tokenizer}"])
+    cfg.data.num_workers = 8
+    world = 48 if scenario == "elastic" else 64
+    t0 = time.perf_counter()
+    dm = PackedMultimodalDataModule(cfg.data, cfg.model, rank=5, world_size=world)
+    dm.setup("fit")
+    t_setup = time.perf_counter()
+    if scenario != "fresh":
+        old = plan_split(dm.table, dm.spec, Topology(64, 8), cfg.data.seed, 0, shuffle_buffer=cfg.data.shuffle_buffer)
+        half = old.batches_per_rank() // 2
+        if scenario == "resumed":
+            dm.position = Position(0, half)
+        else:
+            dm.position = Position(0, 0, history=(ConsumedPart(64, 8, half, _frontiers(dm.table, dm.spec, old)),))
+        del old
+        t0 += time.perf_counter() - t_setup  # the state's frontiers are made up here, not timed
+        t_setup = time.perf_counter()
+    stream = dm.train_dataloader().dataset  # the rank's split (its main process), handed to the worker
+    t_split = time.perf_counter()
+    it = iter(stream)  # the worker (in this process): its slot packed, its first pack read
+    batch = next(it)
+    t_first = time.perf_counter()
+    it.close()
+    assert batch["meta"]["epoch"] == 0 and batch["sample_keys"]
+    return {
+        "scenario": scenario,
+        "setup_s": t_setup - t0,
+        "split_s": t_split - t_setup,
+        "first_pack_s": t_first - t_split,
+        "total_s": t_first - t0,
+        "pss_mb": _pss(),
+    }
 
 
 def _pss() -> dict[str, float]:
@@ -199,6 +301,9 @@ def measure_prepare(shards_dir: Path, tokenizer: str, log, min_seconds: float = 
 def measure(args: argparse.Namespace, log) -> ScaleResult:
     sizes = [parse_size(s) for s in (args.scale_sizes or ("100k" if args.quick else "1M,10M,100M")).split(",")]
     result = ScaleResult()
+    from benchmarks.workloads import bench_config, demo_dirs
+
+    train, tokenizer = demo_dirs(bench_config(args))
     for n in sizes:
         directory = Path(args.workdir) / "scale" / str(n)
         t0 = time.perf_counter()
@@ -211,18 +316,25 @@ def measure(args: argparse.Namespace, log) -> ScaleResult:
             runs.append(json.loads(proc.stdout.strip().splitlines()[-1]))
         row = runs[0] | {"again": {k: runs[1][k] for k in ("open_s", "table_s", "split_s", "slot_s") if k in runs[1]}}
         row["index_bytes"] = sum(f.stat().st_size for f in (directory / "index").iterdir())
+        real = Path(args.workdir) / "scale-real" / str(n)
+        make_real_index(real, n, Path(train[0]))
+        row["first_batch"] = {}
+        for scenario in ("fresh", "resumed", "elastic"):
+            cmd = [sys.executable, "-m", "benchmarks.scale", "--first-batch", str(real), tokenizer, scenario]
+            proc = subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True, text=True)
+            row["first_batch"][scenario] = json.loads(proc.stdout.strip().splitlines()[-1])
         result.rows.append(row)
         log(f"[scale] {n:,}: {row}")
-    from benchmarks.workloads import bench_config, demo_dirs
-
     if args.real_shards:
-        shards, tokenizer = Path(args.real_shards), args.tokenizer or bench_config(args).data.tokenizer
+        shards, tokenizer = Path(args.real_shards), args.tokenizer or tokenizer
     else:
-        train, tokenizer = demo_dirs(bench_config(args))
         shards = Path(train[0])
     result.prepare = measure_prepare(shards, tokenizer, log, 0.3 if args.quick else 3.0)
     return result
 
 
 if __name__ == "__main__":
-    print(json.dumps(child(sys.argv[1], int(sys.argv[2]))))
+    if sys.argv[1] == "--first-batch":
+        print(json.dumps(first_batch(*sys.argv[2:5])))
+    else:
+        print(json.dumps(child(sys.argv[1], int(sys.argv[2]))))
