@@ -442,6 +442,17 @@ def render_scale(result: ScaleResult) -> str:
                             f"{f['total_s']:.2f}", f"{f['pss_mb'].get('Pss_Anon', 0):.0f}"])  # fmt: skip
     fb_headers = ["samples", "resume", "setup s", "split s", "slot + first pack s", "first batch s", "own PSS MB"]
     md += [markdown_table(fb_headers, fb_rows)]
+    if result.carry:
+        n = f"{result.rows[0]['n']:,}" if result.rows else ""
+        md += [
+            "",
+            f"Samples all 512 slots carry into the next epoch, epoch after epoch ({n} samples), and the fill of the packs:",
+        ]
+        c_rows = [
+            [f"max_tokens={m}", *(f"{e['carried']:,} ({e['fill']:.2%} fill)" for e in per)]
+            for m, per in result.carry.items()
+        ]
+        md += ["", markdown_table(["budget", *(f"after epoch {e['epoch']}" for e in next(iter(result.carry.values())))], c_rows)]  # fmt: skip
     p = result.prepare
     if p:
         md += ["", f"prepare_data index-only on {p['shards']} ({p['n_shards']} shards), per-shard work in one process: "

@@ -261,6 +261,26 @@ def _frontiers(table, spec, split) -> tuple[tuple[int, ...], ...]:
     return tuple(out)
 
 
+def carry_growth(directory: Path, epochs: int, max_tokens: int) -> list[dict[str, Any]]:
+    """Samples all slots carry into each next epoch, over ``epochs`` epochs of 64 x 8 slots (every slot packed, as
+    the workers together do): the price of agreeing on K from a bound, for a budget the packs fill (8,192 tokens)
+    and one whose packs the long-tailed samples cannot fill as well (512 tokens)."""
+    from nanovlm.data.index import load_index
+    from nanovlm.data.shards import Carry, PackSpec, SampleTable, Topology, build_epoch_plan
+
+    table = SampleTable.from_indexes([(str(directory), load_index(directory))], 64)
+    spec, carry, out = PackSpec(max_tokens=max_tokens, max_images=64), Carry(), []
+    for e in range(epochs):
+        plan = build_epoch_plan(table, spec, Topology(64, 8), seed=0, epoch=e, carry=carry)
+        packs = [plan.pack(s, k) for s in range(plan.topology.num_slots) for k in range(plan.packs_per_slot)]
+        fill = float(plan.lengths[np.concatenate(packs)].sum()) / (len(packs) * spec.max_tokens)
+        out.append(
+            {"epoch": e, "packs_per_slot": plan.packs_per_slot, "carried": int(plan.carry_out.size), "fill": fill}
+        )
+        carry = plan.carry()
+    return out
+
+
 def _status_mb(field: str) -> float:
     with open("/proc/self/status") as f:
         for line in f:
@@ -273,9 +293,10 @@ def _status_mb(field: str) -> float:
 class ScaleResult:
     rows: list[dict[str, Any]] = field(default_factory=list)
     prepare: dict[str, Any] = field(default_factory=dict)
+    carry: dict[int, list[dict[str, Any]]] = field(default_factory=dict)  # max_tokens -> per epoch
 
     def to_json(self) -> dict[str, Any]:
-        return {"rows": self.rows, "prepare": self.prepare}
+        return {"rows": self.rows, "prepare": self.prepare, "carry": self.carry}
 
 
 def measure_prepare(shards_dir: Path, tokenizer: str, log, min_seconds: float = 3.0) -> dict[str, Any]:
@@ -325,6 +346,10 @@ def measure(args: argparse.Namespace, log) -> ScaleResult:
             row["first_batch"][scenario] = json.loads(proc.stdout.strip().splitlines()[-1])
         result.rows.append(row)
         log(f"[scale] {n:,}: {row}")
+    smallest = Path(args.workdir) / "scale" / str(sizes[0])
+    epochs = 2 if args.quick else 3
+    result.carry = {m: carry_growth(smallest, epochs, m) for m in (8192, 512)}
+    log(f"[scale] carry over {epochs} epochs of {sizes[0]:,} samples: {result.carry}")
     if args.real_shards:
         shards, tokenizer = Path(args.real_shards), args.tokenizer or tokenizer
     else:

@@ -285,6 +285,8 @@ class PackedMultimodalDataModule(L.LightningDataModule):
         if pos.carry.slots and not pos.history:  # after an elastic resume every rank holds all (history_carry)
             mine.carry_in = [pos.carry.slots[s].tolist() for s in self._own_slots()]
         mine.frontier = [self._frontier.get(s, []) for s in self._own_slots()]
+        first = self._own_slots().start  # slots that finished the epoch before this rank did: what they carry on
+        mine.carry_out = [[s - first, g.tolist()] for s, g in sorted(self._carry_out.items())]
         ranks = all_gather_object(mine) if self.world_size > 1 else [mine]
         state = DataState(
             world_size=self.world_size,
@@ -319,14 +321,11 @@ class PackedMultimodalDataModule(L.LightningDataModule):
             return self.current_split()
 
         self.position, skip_ranks = restore(saved, self.topology, self.rank, len(self.table), split)
-        self._carry_out = {}
         same = (saved.world_size, saved.num_workers) == (self.world_size, self.cfg.num_workers)
-        self._frontier = (
-            {  # the same topology continues its slots' frontiers; a new one starts its own
-                self.rank * len(self._own_slots()) + j: f for r in skip_ranks for j, f in enumerate(r.frontier) if f
-            }
-            if same
-            else {}
+        first = self._own_slots().start  # the same topology continues its slots; a new one starts its own
+        self._frontier = {first + j: f for r in skip_ranks for j, f in enumerate(r.frontier) if f} if same else {}
+        self._carry_out = (
+            {first + j: np.asarray(g, np.int64) for r in skip_ranks for j, g in r.carry_out} if same else {}
         )
         self.counters.restore(skip_ranks)
         self._planned_per_ds = None

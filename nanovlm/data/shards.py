@@ -22,7 +22,10 @@ sequential within shards). It is cut into one contiguous chunk per slot, balance
 chunk opens with what the slot carried from epoch e-1. Every slot yields the same number of packs K, a lower
 bound on every slot's pack count computed from token, image and sample sums (``EpochSplit``); the samples of a
 slot's packs past K are carried to the front of its own next chunk, so nothing is lost and every rank yields
-exactly K x slots_per_rank batches per epoch. The carry per slot stays near what K packs leave unfilled.
+exactly K x slots_per_rank batches per epoch. The bound counts full packs, so a slot's carry grows each epoch by
+what its K packs leave unfilled in the budget that binds: next to nothing where packs fill it (the token budget
+at 99.9% fill), a few percent of an epoch per epoch where they do not (measured by the benchmark's scale
+section); carried samples are trained first in the slot's next chunk.
 """
 
 from __future__ import annotations
@@ -376,13 +379,15 @@ def split_epoch(
     if per_slot and (len(bound) != s or (carry.slots and set(carry.slots) - set(range(s)))):
         raise PlanError(f"epoch {epoch}: a carry of {len(bound)} slots cannot open an epoch of {s} slots")
     length, n_images = table.length[order], table.n_images[order]  # int32 [n]
-    bounds = balanced_chunks(np.minimum(length, spec.max_tokens), s, bound[:, 0] if per_slot else None)
-    eff, code = packing.effective_lengths(
-        length, n_images, spec.limit, spec.image_limit, spec.overlength, table.prompt[order]
-    )
+    args = (spec.limit, spec.image_limit, spec.overlength, table.prompt[order])
+    eff, code = packing.effective_lengths(length, n_images, *args)
     ok = code == 0
-    fresh = [_chunk_sums(np.where(ok, eff, 0), bounds), _chunk_sums(np.where(ok, n_images, 0), bounds)]
-    total = bound + np.stack([*fresh, _chunk_sums(ok, bounds)], 1)  # [s, 3]
+    tokens = np.where(ok, eff, 0)
+    # balanced in the unit that sets K: packable tokens (packs) or samples (padded batches), carries included
+    unit, d = (tokens, 0) if spec.mode == "packed" else (ok.astype(np.int32), 2)
+    bounds = balanced_chunks(unit, s, bound[:, d] if per_slot else None)
+    fresh = [_chunk_sums(tokens, bounds), _chunk_sums(np.where(ok, n_images, 0), bounds), _chunk_sums(ok, bounds)]
+    total = bound + np.stack(fresh, 1)  # [s, 3]
     cap = spec.capacity
     need = np.where(cap > 0, -(-total // np.maximum(cap, 1)), 0).max(1)  # packs each slot makes at least
     k = int(need.min()) if s else 0

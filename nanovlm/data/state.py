@@ -56,6 +56,7 @@ class RankState:
     total_skips: dict[str, int] = field(default_factory=dict)
     carry_in: list[list[int]] = field(default_factory=list)
     frontier: list[list[int]] = field(default_factory=list)  # per local slot: its shards.Frontier (elastic resume)
+    carry_out: list[list] = field(default_factory=list)  # [local slot, gids]: carries of slots done with the epoch
 
 
 @dataclass

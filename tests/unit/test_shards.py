@@ -397,3 +397,19 @@ def test_the_common_pack_count_holds_for_adversarial_length_mixes(case):
             assert (bound <= [*real, len(slot.carry_out)]).all()
         carry = plan.carry()
     assert sorted(used + carry.all_gids().tolist()) == sorted(expected)
+
+
+@pytest.mark.parametrize("mode", ["pad_to_longest", "constrained"])
+def test_padded_modes_keep_each_slots_carry_under_two_batches_epoch_after_epoch(mode):
+    """A padded batch holds batch_size samples, so the carry bound is exact there and the split must balance
+    chunks on samples, carries included: otherwise the slots' carries drift apart without limit."""
+    rng = np.random.default_rng(0)
+    t = raw_table(rng.integers(5, 200, 997), np.zeros(997, np.int64))
+    spec = PackSpec(mode=mode, max_tokens=256, batch_size=8, pad_cutoff=128)
+    carry, worst = Carry(), 0
+    for e in range(30):
+        plan = build_epoch_plan(t, spec, Topology(2, 4), seed=1, epoch=e, carry=carry, shuffle_buffer=4)
+        worst = max(worst, max(len(p.carry_out) for p in plan.slots))
+        assert (plan.split.bound_next[:, 2] == [len(p.carry_out) for p in plan.slots]).all()  # exact here
+        carry = plan.carry()
+    assert worst < 2 * spec.batch_size

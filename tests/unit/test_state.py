@@ -50,6 +50,27 @@ def test_exact_resume_with_workers_at_several_points(data, tiny_tokenizer):
             same_batch(got, want)
 
 
+@pytest.mark.parametrize("before_end", [1, 2])
+def test_a_resume_in_the_last_round_of_an_epoch_keeps_the_carries_of_slots_already_done(
+    data, tiny_tokenizer, before_end
+):
+    """With 3 workers the slots' last packs of an epoch arrive one batch apart, each with the carry that opens its
+    next chunk; a state saved between them must hold those already seen, or the next epoch's state lacks them."""
+    cfg = make_cfg([data / "a", data / "b"], num_workers=3, max_tokens=128)
+    ref = make_dm(cfg, tiny_tokenizer)
+    n = ref.current_split().batches_per_rank()
+    take(ref, n - before_end)
+    state = ref.state_dict()
+    want = take(ref, before_end + 2, consume=True)
+    want_state = ref.state_dict()
+    assert any(want_state["ranks"][0]["carry_in"][:2])  # the slots done before the save carried something
+    dm = make_dm(cfg, tiny_tokenizer)
+    dm.load_state_dict(state)
+    for got, w in zip(take(dm, before_end + 2), want):
+        same_batch(got, w)
+    assert dm.state_dict() == want_state
+
+
 def test_state_restored_before_setup_and_in_a_new_process_order(data, tiny_tokenizer):
     """Lightning may call load_state_dict before setup; the state applies at setup."""
     cfg = make_cfg([data / "a"])
