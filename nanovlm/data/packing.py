@@ -72,8 +72,10 @@ def effective_lengths(
         raise ValueError(f"lengths ({len(n)}), n_images ({len(m)}) and prompts differ in length")
     over = n > limit
     prompt_fills = np.asarray(prompts) >= limit if prompts is not None else np.zeros(len(n), bool)
-    drop = over & ((overlength == "drop") | prompt_fills)
-    code = np.select([n <= 0, m > max_images, drop], [1, 2, 3], 0).astype(np.int8)
+    code = np.zeros(len(n), np.int8)  # assigned from the last reason to the first, so the first that applies wins
+    code[over & ((overlength == "drop") | prompt_fills)] = 3
+    code[m > max_images] = 2
+    code[n <= 0] = 1
     return np.where(over, limit, n), code
 
 

@@ -254,12 +254,12 @@ def epoch_order(
         passes: list[np.ndarray] = []
         for p in range(full + (1 if frac > 1e-9 else 0)):
             perm = _rng(seed, epoch, d, p).permutation(shards) if shuffle else shards
-            gids = np.concatenate([np.arange(shard_bounds[s], shard_bounds[s + 1]) for s in perm] or [np.zeros(0)])
+            gids = _shard_runs(shard_bounds, perm)
             if p == full:  # the fractional pass: a seeded subset, kept in shard order
                 keep = _rng(seed, epoch, d, p, 1).choice(len(gids), round(frac * len(gids)), replace=False)
                 gids = gids[np.sort(keep)]
-            passes.append(gids.astype(np.int64))
-        per_dir.append(np.concatenate(passes) if passes else np.zeros(0, np.int64))
+            passes.append(gids)
+        per_dir.append(passes[0] if len(passes) == 1 else np.concatenate([np.zeros(0, np.int64), *passes]))
     if n_dirs == 1:
         order = per_dir[0]
     else:  # interleave directories in proportion to their sizes (each spread evenly over the epoch)
@@ -267,9 +267,26 @@ def epoch_order(
         src = np.concatenate([np.full(len(g), d) for d, g in enumerate(per_dir)])
         order = np.concatenate(per_dir)[np.lexsort((src, rel))]
     if shuffle and shuffle_buffer > 1 and len(order) > 1:
-        # bounded window shuffle: sort by position + U(0, buffer); no sample moves by more than `buffer`
-        jitter = _rng(seed, epoch, 1 << 20).uniform(0.0, float(shuffle_buffer), len(order))
-        order = order[np.argsort(np.arange(len(order)) + jitter, kind="stable")]
+        order = _window_shuffle(order, min(shuffle_buffer, len(order)), _rng(seed, epoch, 1 << 20))
+    return order
+
+
+def _shard_runs(shard_bounds: np.ndarray, shards: np.ndarray) -> np.ndarray:
+    """The gids of ``shards``, shard after shard (int64), without a Python loop over the shards."""
+    counts = shard_bounds[shards + 1] - shard_bounds[shards]
+    before = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
+    return np.repeat(shard_bounds[shards] - before, counts) + np.arange(int(counts.sum()), dtype=np.int64)
+
+
+def _window_shuffle(order: np.ndarray, b: int, rng: np.random.Generator) -> np.ndarray:
+    """Shuffle ``order`` in place within consecutive windows of ``b`` samples, the first window of a random length
+    below ``b`` so the window edges move every epoch: no sample moves by ``b`` places or more, in O(N)."""
+    head = int(rng.integers(0, b))
+    body = (len(order) - head) // b * b
+    order[:head] = rng.permutation(order[:head])
+    windows = order[head : head + body].reshape(-1, b)
+    rng.permuted(windows, axis=1, out=windows)
+    order[head + body :] = rng.permutation(order[head + body :])
     return order
 
 
@@ -399,9 +416,13 @@ def split_epoch(
 
 
 def _chunk_sums(x: np.ndarray, bounds: np.ndarray) -> np.ndarray:
-    """Sums of ``x`` over the chunks ``bounds`` cuts it into (int64; empty chunks sum to 0)."""
-    cum = np.concatenate([[0], np.cumsum(x, dtype=np.int64)])
-    return cum[bounds[1:]] - cum[bounds[:-1]]
+    """Sums of ``x`` over the chunks ``bounds`` cuts it into (int64; empty chunks sum to 0), without an N-sized
+    temporary."""
+    k = int(np.searchsorted(bounds[:-1], len(x)))  # chunks that start before the end
+    sums = np.zeros(len(bounds) - 1, np.int64)
+    if k:
+        sums[:k] = np.add.reduceat(x, bounds[:k], dtype=np.int64)  # an empty chunk gets x[start]: zeroed below
+    return np.where(bounds[1:] > bounds[:-1], sums, 0)
 
 
 @dataclass

@@ -123,6 +123,18 @@ def test_plan_refuses_too_many_slots():
         plan_split(t, SPEC, Topology(4, 2), seed=0, epoch=0)
 
 
+def test_chunk_sums_match_cumulative_sums_with_empty_chunks_anywhere():
+    from nanovlm.data.shards import _chunk_sums
+
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        x = rng.integers(0, 100, int(rng.integers(0, 20))).astype(np.int32)
+        inner = np.sort(rng.integers(0, len(x) + 1, int(rng.integers(0, 6))))
+        bounds = np.concatenate([[0], inner, [len(x)]]).astype(np.int64)
+        cum = np.concatenate([[0], np.cumsum(x, dtype=np.int64)])
+        assert _chunk_sums(x, bounds).tolist() == (cum[bounds[1:]] - cum[bounds[:-1]]).tolist()
+
+
 def test_balanced_chunks_give_every_slot_a_sample():
     # a long sample next to short ones used to pull two boundaries onto the same place
     assert balanced_chunks(np.array([10, 100]), 2).tolist() == [0, 1, 2]
