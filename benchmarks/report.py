@@ -434,7 +434,8 @@ def render_scale(result: ScaleResult) -> str:
     md += ["", "Time to one worker's first batch through the DataModule (64 x 8; 48 x 8 after the elastic resume), on an "
            "index of the same size whose shards link to the demo data's real shards: setup (index, table) + the "
            "rank's split + the worker's slot packed and its first pack read, decoded, tokenized and collated. "
-           "Imports excluded; *own PSS*: the process, torch and Lightning loaded.", ""]  # fmt: skip
+           "Imports excluded, page cache warm (a first process read the columns); *own PSS*: the process, torch and "
+           "Lightning loaded.", ""]  # fmt: skip
     fb_rows = []
     for r in result.rows:
         for name, f in r.get("first_batch", {}).items():

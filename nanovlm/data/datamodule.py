@@ -3,7 +3,7 @@
 The Lightning face of the data pipeline; each job lives in its own module:
 
 * ``shards``: the deterministic epoch plan (order from (seed, epoch), split over world_size x workers slots
-  balanced by tokens; every slot yields the same number of packs K, a bound every process computes from token
+  balanced by packable tokens; every slot yields the same number of packs K, a bound every process computes from
   sums, and carries what is left into its own next chunk). Ranks agree on steps without talking, and each
   DataLoader worker packs only its own slot.
 * ``stream`` / ``loader``: the rank's batches, read by one background producer per DataLoader worker.
@@ -183,18 +183,27 @@ class PackedMultimodalDataModule(L.LightningDataModule):
         )
 
     def current_split(self) -> EpochSplit:
-        """The split of the epoch the stream is in (cached; vectorised O(N) metadata work, no packing, unless the
-        epoch was resumed on another topology)."""
+        """The split of the epoch the stream is in, cut down to this rank's chunks (cached: vectorised O(N) work
+        to build, O(N / world_size) to keep)."""
         pos = self.position
-        key = (pos.epoch, pos.carry.key(), pos.history, self.topology)
-        if self._split_cache is None or self._split_cache[0] != key:
-            self._split_cache = (key, self._stream_spec().split(pos))
+        if self._split_cache is None or self._split_cache[0] != self._split_key(pos):
+            self._full_split(pos)
         return self._split_cache[1]
+
+    def _split_key(self, pos: Position) -> tuple:
+        return (pos.epoch, pos.carry.key(), pos.history, self.topology, self.rank)
+
+    def _full_split(self, pos: Position) -> EpochSplit:
+        """Every slot's chunks of ``pos``'s epoch; caches this rank's part for ``current_split``."""
+        split = self._stream_spec().split(pos)
+        own = self._own_slots()
+        self._split_cache = (self._split_key(pos), split.restrict(own.start, own.stop))
+        return split
 
     def current_plan(self) -> EpochPlan:
         """Every slot's packs of the current epoch (O(N) packing; needs every slot's carry, so after a restore or
         in one process): for tools and tests. Training packs only this rank's slots."""
-        return pack_all(self.table, self.spec, self.current_split())
+        return pack_all(self.table, self.spec, self._full_split(self.position))
 
     def _own_slots(self) -> range:
         spr = self.topology.slots_per_rank
@@ -222,9 +231,7 @@ class PackedMultimodalDataModule(L.LightningDataModule):
         """Infinite stream of this rank's batches from the saved position on."""
         if self.table is None:
             self.setup("fit")
-        own = self._own_slots()
-        split = self.current_split().restrict(own.start, own.stop)
-        return self._loader(PackStream(self._stream_spec(), dataclasses.replace(self.position), split))
+        return self._loader(PackStream(self._stream_spec(), dataclasses.replace(self.position), self.current_split()))
 
     def val_dataloader(self) -> DataLoader | list:
         """Finite, deterministic packed validation batches (epoch 0 order, no shuffling); [] without data.val."""
@@ -318,7 +325,7 @@ class PackedMultimodalDataModule(L.LightningDataModule):
 
         def split(pos: Position) -> EpochSplit:
             self.position = pos
-            return self.current_split()
+            return self._full_split(pos)
 
         self.position, skip_ranks = restore(saved, self.topology, self.rank, len(self.table), split)
         same = (saved.world_size, saved.num_workers) == (self.world_size, self.cfg.num_workers)
@@ -370,7 +377,7 @@ class PackedMultimodalDataModule(L.LightningDataModule):
             ],
             "val_samples": len(self.val_table) if self.val_table is not None else 0,
             "epoch": self.position.epoch,
-            "samples_per_epoch": int(len(split.fresh)),
+            "samples_per_epoch": split.n_fresh,
             "tokens_per_epoch": int(split.units[:, 0].sum() - split.carry.bound[:, 0].sum()),
             "planned_skips": dict(split.skip_counts),
             "packs_per_epoch": int(n_packs),

@@ -191,9 +191,10 @@ def restore(
     elif not same and not history:  # a new topology opens the epoch: the old slots' carries lead its order
         carry = Carry(prefix=carry.all_gids())
     pos = Position(epoch, consumed, carry, history)
-    if history and split(pos).packs_per_slot == 0:
+    rest = split(pos) if history else None
+    if rest is not None and rest.packs_per_slot == 0:
         log.info("data: the rest of epoch %d is too small for the new topology; it opens epoch %d", epoch, epoch + 1)
-        pos = Position(epoch + 1, 0, Carry(prefix=split(pos).fresh), ())
+        pos = Position(epoch + 1, 0, Carry(prefix=rest.fresh), ())
     return pos, [r for r in state.ranks if r.rank == rank] if same else (state.ranks if rank == 0 else [])
 
 
