@@ -278,13 +278,25 @@ def _shard_runs(shard_bounds: np.ndarray, shards: np.ndarray) -> np.ndarray:
     return np.repeat(shard_bounds[shards] - before, counts) + np.arange(int(counts.sum()), dtype=np.int64)
 
 
-def _window_shuffle(order: np.ndarray, b: int, rng: np.random.Generator) -> np.ndarray:
+def _window_shuffle(order: np.ndarray, b: int, rng: np.random.Generator, chunk: int = 1 << 18) -> np.ndarray:
     """Sort by position + U(0, b): no sample moves by ``b`` places or more, and neighbours stay near each other.
     (Shuffling fixed windows whole is cheaper at 100M samples but trained the demo tasks worse: 63-98% held-out
-    accuracy over four seeds in tests/integration/test_train_and_evaluate.py's run, against 88-100%.)"""
-    jitter = rng.uniform(0.0, float(b), len(order))
-    jitter += np.arange(len(order))
-    return order[np.argsort(jitter, kind="stable")]
+    accuracy over four seeds in tests/integration/test_train_and_evaluate.py's run, against 88-100%.)
+
+    The sort runs ``chunk`` output positions at a time: the keys in [lo, lo + chunk) come from positions in
+    [lo - b, lo + chunk), so each chunk sorts only those (the same order as one global sort, in cache, faster)."""
+    key = rng.uniform(0.0, float(b), len(order))
+    key += np.arange(len(order))
+    out = np.empty_like(order)
+    done = 0
+    for lo in range(0, len(order), chunk):
+        a, hi = max(0, lo - b), min(len(order), lo + chunk)
+        k = key[a:hi]
+        mine = np.flatnonzero(k >= lo) if hi == len(order) else np.flatnonzero((k >= lo) & (k < hi))
+        picked = order[a + mine[np.argsort(k[mine], kind="stable")]]
+        out[done : done + len(picked)] = picked
+        done += len(picked)
+    return out
 
 
 def balanced_chunks(tokens: np.ndarray, num_slots: int, offsets: np.ndarray | None = None) -> np.ndarray:

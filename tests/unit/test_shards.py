@@ -72,6 +72,16 @@ def test_epoch_order_is_a_deterministic_bounded_shuffle():
     assert epoch_order(t, 1, 0, shuffle=False).tolist() == list(range(len(t)))
 
 
+def test_the_window_shuffle_sorts_chunk_by_chunk_as_one_global_sort_would():
+    from nanovlm.data.shards import _window_shuffle
+
+    for n, b, chunk in [(1, 4, 8), (2, 4, 8), (37, 4, 8), (64, 8, 8), (1000, 16, 64), (1000, 300, 64), (513, 7, 512)]:
+        order = np.random.default_rng(n).permutation(n)
+        key = np.random.default_rng(b).uniform(0.0, float(b), n) + np.arange(n)
+        got = _window_shuffle(order, b, np.random.default_rng(b), chunk)
+        assert got.tolist() == order[np.argsort(key, kind="stable")].tolist()
+
+
 def test_mixing_weights():
     t = make_table([[30, 30], [10, 10, 10]])
     order = epoch_order(t, seed=0, epoch=0, weights=[2.0, 0.5], shuffle_buffer=4)
