@@ -669,9 +669,9 @@ def plan_split(
 
     ``history`` lists the parts of this epoch consumed under earlier topologies (``carry`` opened the first):
     each is split in turn and what its slots' frontiers say they consumed or skipped is removed (vectorised, no
-    packing), so the split covers exactly what remains, over the new topology. When that remainder cannot give every new slot a pack,
-    K = 0 and the whole remainder opens the next epoch (``state.restore``). A fresh epoch with K = 0 is a
-    ``PlanError`` naming the cause; so is a training epoch without samples.
+    packing), so the split covers exactly what remains, over the new topology. When that remainder cannot give
+    every new slot a pack, K = 0 and the whole remainder opens the next epoch (``state.restore``). A fresh epoch
+    with K = 0 is a ``PlanError`` naming the cause; so is a training epoch without samples.
     """
     carry = carry or Carry()
     order = epoch_order(table, seed, epoch, weights, shuffle_buffer, shuffle)
