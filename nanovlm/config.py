@@ -414,6 +414,12 @@ def _check_ranges(cfg: Config) -> None:
         for key, value in values.items():
             if value < low:
                 raise ConfigError(f"bad value for config key '{key}': {value}; it must be >= {low}")
+    from nanovlm.data.shards import MAX_SHUFFLE_BUFFER
+
+    if d.shuffle_buffer > MAX_SHUFFLE_BUFFER:
+        raise ConfigError(
+            f"bad value for config key 'data.shuffle_buffer': {d.shuffle_buffer}; it must be <= {MAX_SHUFFLE_BUFFER}"
+        )
     if any(w < 0 for w in d.train_weights):
         raise ConfigError(f"bad value for config key 'data.train_weights': {d.train_weights}; weights must be >= 0")
     from nanovlm.data.remote import redact

@@ -225,6 +225,9 @@ class PackSpec:
         raise PlanError(f"unknown packing mode {self.mode!r}")
 
 
+MAX_SHUFFLE_BUFFER = 1 << 20  # data.shuffle_buffer at most: the window shuffle's keys fit one int64
+
+
 def _rng(seed: int, *parts: int) -> np.random.Generator:
     return np.random.default_rng([seed, *parts])
 
@@ -279,24 +282,35 @@ def _shard_runs(shard_bounds: np.ndarray, shards: np.ndarray) -> np.ndarray:
 
 
 def _window_shuffle(order: np.ndarray, b: int, rng: np.random.Generator, chunk: int = 1 << 18) -> np.ndarray:
-    """Sort by position + U(0, b): no sample moves by ``b`` places or more, and neighbours stay near each other.
-    (Shuffling fixed windows whole is cheaper at 100M samples but trained the demo tasks worse: 63-98% held-out
-    accuracy over four seeds in tests/integration/test_train_and_evaluate.py's run, against 88-100%.)
+    """Sort ``order`` in place by position + U(0, b): no sample moves by ``b`` places or more, and neighbours stay
+    near each other. (Shuffling fixed windows whole is cheaper at 100M samples but trained the demo tasks worse:
+    63-98% held-out accuracy over four seeds in tests/integration/test_train_and_evaluate.py's run, against
+    88-100%.)
 
-    The sort runs ``chunk`` output positions at a time: the keys in [lo, lo + chunk) come from positions in
-    [lo - b, lo + chunk), so each chunk sorts only those (the same order as one global sort, in cache, faster)."""
-    key = rng.uniform(0.0, float(b), len(order))
-    key += np.arange(len(order))
-    out = np.empty_like(order)
-    done = 0
-    for lo in range(0, len(order), chunk):
-        a, hi = max(0, lo - b), min(len(order), lo + chunk)
-        k = key[a:hi]
-        mine = np.flatnonzero(k >= lo) if hi == len(order) else np.flatnonzero((k >= lo) & (k < hi))
-        picked = order[a + mine[np.argsort(k[mine], kind="stable")]]
-        out[done : done + len(picked)] = picked
-        done += len(picked)
-    return out
+    Keys are compared in whole 2^-20 places, ties in position order: integer work, the same on every machine.
+    The sort runs ``chunk`` output places at a time: a key below ``hi`` belongs to a position below ``hi``, so
+    each chunk sorts its own positions' keys below ``hi`` with those earlier chunks left waiting; that is the
+    order one global sort gives, in cache. Only places below ``hi`` are written, after the chunk's values are
+    read, so the order is sorted where it lies: no N-sized array is made.
+    """
+    if not 0 < b <= MAX_SHUFFLE_BUFFER or not 0 < chunk <= MAX_SHUFFLE_BUFFER:
+        raise PlanError(f"a shuffle window of {b} samples: it must be within 1..{MAX_SHUFFLE_BUFFER}")
+    n, done = len(order), 0
+    wait_key, wait_val = np.zeros(0), order[:0].copy()  # keys >= lo drawn by earlier chunks, by position
+    for lo in range(0, n, chunk):
+        hi = min(n, lo + chunk)
+        key = np.concatenate([wait_key, rng.random(hi - lo) * b + np.arange(lo, hi)])
+        val = np.concatenate([wait_val, order[lo:hi]])
+        if hi < n:
+            now = key < hi
+            wait_key, wait_val, key, val = key[~now], val[~now], key[now], val[now]
+        # int64 [m]: the key in 2^-20 places above lo (< chunk + b <= 2^21), over 21 bits of its rank by position
+        packed = ((key - lo) * (1 << 20)).astype(np.int64) << 21
+        packed |= np.arange(len(key))
+        packed.sort(kind="stable")  # the keys are distinct: any sort gives this order
+        order[done : done + len(key)] = val[packed & ((1 << 21) - 1)]
+        done += len(key)
+    return order
 
 
 def balanced_chunks(tokens: np.ndarray, num_slots: int, offsets: np.ndarray | None = None) -> np.ndarray:
@@ -307,18 +321,37 @@ def balanced_chunks(tokens: np.ndarray, num_slots: int, offsets: np.ndarray | No
     ones would otherwise pull two boundaries onto the same place and leave a slot with nothing to pack.
     """
     n = len(tokens)
-    cum = np.concatenate([[0], np.cumsum(tokens, dtype=np.int64)])
+    total = int(tokens.sum(dtype=np.int64))
     if offsets is None or not len(offsets):
-        targets = cum[-1] * np.arange(1, num_slots) / num_slots
+        targets = total * np.arange(1, num_slots) / num_slots
     else:  # slot s should end where the fresh tokens of slots < s plus their offsets reach s+1 equal shares
-        per_slot = (cum[-1] + int(np.sum(offsets))) / num_slots
+        per_slot = (total + int(np.sum(offsets))) / num_slots
         targets = np.maximum.accumulate(per_slot * np.arange(1, num_slots) - np.cumsum(offsets)[:-1])
-    inner = np.clip(np.searchsorted(cum, targets, side="left"), 0, n)
+    inner = np.clip(_prefix_search(tokens, targets), 0, n)
     if n >= num_slots > 1:
         i = np.arange(1, num_slots)
         inner = i + np.maximum.accumulate(inner - i)  # strictly increasing: boundary i >= boundary i-1 + 1
         inner = np.minimum(inner, n - num_slots + i)  # and room left for one sample per later slot
     return np.concatenate([[0], inner, [n]]).astype(np.int64)
+
+
+def _prefix_search(x: np.ndarray, targets: np.ndarray, piece: int = 1 << 22) -> np.ndarray:
+    """``searchsorted(concat([0], cumsum(x)), targets, side="left")`` for non-negative ``x`` and ascending
+    ``targets``, a piece at a time: no N-sized int64 prefix sum (at 100M samples its allocation alone takes
+    seconds)."""
+    out = np.full(len(targets), len(x) + 1, np.int64)
+    before, t = 0, 0  # sum of the pieces so far; first target not yet placed
+    for lo in range(0, len(x), piece):
+        if t == len(targets):
+            break
+        cum = np.cumsum(x[lo : lo + piece], dtype=np.int64)
+        cum += before
+        end = int(np.searchsorted(targets, cum[-1], side="right")) if len(cum) else t  # targets placed here
+        if end > t:
+            out[t:end] = lo + np.searchsorted(cum, targets[t:end], side="left") + 1
+        before, t = int(cum[-1]), end
+    out[targets <= 0] = 0
+    return out
 
 
 def _no_units() -> np.ndarray:
@@ -405,24 +438,41 @@ def split_epoch(
     bound = carry.bound if per_slot else np.zeros((s, 3), np.int64)
     if per_slot and (len(bound) != s or (carry.slots and set(carry.slots) - set(range(s)))):
         raise PlanError(f"epoch {epoch}: a carry of {len(bound)} slots cannot open an epoch of {s} slots")
-    length, n_images = table.length[order], table.n_images[order]  # int32 [n]
-    args = (spec.limit, spec.image_limit, spec.overlength, table.prompt[order])
-    eff, code = packing.effective_lengths(length, n_images, *args)
+    tokens, code = _packable_tokens(table, spec, order)  # int32 [n], int8 [n]
     ok = code == 0
-    tokens = np.where(ok, eff, 0)
     # balanced in the unit that sets K: packable tokens (packs) or samples (padded batches), carries included
-    unit, d = (tokens, 0) if spec.mode == "packed" else (ok.astype(np.int32), 2)
+    unit, d = (tokens, 0) if spec.mode == "packed" else (ok, 2)
     bounds = balanced_chunks(unit, s, bound[:, d] if per_slot else None)
-    fresh = [_chunk_sums(tokens, bounds), _chunk_sums(np.where(ok, n_images, 0), bounds), _chunk_sums(ok, bounds)]
+    images = [table.n_images[order[a:b]][ok[a:b]].sum(dtype=np.int64) for a, b in zip(bounds[:-1], bounds[1:])]
+    fresh = [_chunk_sums(tokens, bounds), np.array(images, np.int64), _chunk_sums(ok, bounds)]
     total = bound + np.stack(fresh, 1)  # [s, 3]
     cap = spec.capacity
     need = np.where(cap > 0, -(-total // np.maximum(cap, 1)), 0).max(1)  # packs each slot makes at least
     k = int(need.min()) if s else 0
     nxt = np.where(cap > 0, np.maximum(0, total - k * cap), 0)
-    skips = {r: int((code == c + 1).sum()) for c, r in enumerate(packing.SKIP_REASONS) if (code == c + 1).any()}
-    if table.vision_unit == "tiles" and "too_many_images" in skips:
-        skips["too_many_tiles"] = skips.pop("too_many_images")
+    counts = {r: int(np.count_nonzero(code == c + 1)) for c, r in enumerate(packing.SKIP_REASONS)}
+    skips = _named({r: c for r, c in counts.items() if c}, table)
     return EpochSplit(epoch, topology, order, bounds, carry if per_slot else Carry(), k, nxt, skips, total, len(order))
+
+
+def _packable_tokens(table: SampleTable, spec: PackSpec, gids: np.ndarray, piece: int = 1 << 22):
+    """(int32 [n]: each gid's planned tokens, 0 when no pack can take it; int8 [n]: its skip code), a piece at a
+    time (``packing.effective_lengths``): the length columns' gathers stay piece-sized."""
+    tokens, code = np.empty(len(gids), np.int32), np.empty(len(gids), np.int8)
+    args = (spec.limit, spec.image_limit, spec.overlength)
+    for lo in range(0, len(gids), piece):
+        g = gids[lo : lo + piece]
+        eff, c = packing.effective_lengths(table.length[g], table.n_images[g], *args, table.prompt[g])
+        tokens[lo : lo + len(g)] = np.where(c == 0, eff, 0)
+        code[lo : lo + len(g)] = c
+    return tokens, code
+
+
+def _named(skipped: dict, table: SampleTable) -> dict:
+    """Skip reasons as the run names them: encoder inputs are tiles when images are split."""
+    if table.vision_unit == "tiles" and "too_many_images" in skipped:
+        skipped["too_many_tiles"] = skipped.pop("too_many_images")
+    return skipped
 
 
 def _chunk_sums(x: np.ndarray, bounds: np.ndarray) -> np.ndarray:
@@ -463,9 +513,7 @@ def pack_slot(table: SampleTable, spec: PackSpec, split: EpochSplit, slot: int, 
     k = len(packs) if finite else split.packs_per_slot
     if len(packs) < k:  # cannot happen: K is a lower bound on every slot's pack count
         raise RuntimeError(f"slot {slot} of epoch {split.epoch} made {len(packs)} packs, below the bound K={k}")
-    skipped = {r: np.asarray(i, np.int64) for r, i in res.skipped.items()}
-    if table.vision_unit == "tiles" and "too_many_images" in skipped:
-        skipped["too_many_tiles"] = skipped.pop("too_many_images")
+    skipped = _named({r: np.asarray(i, np.int64) for r, i in res.skipped.items()}, table)
     carry_out = gids[np.concatenate(packs[k:])] if len(packs) > k else np.zeros(0, np.int64)
     return SlotPlan(slot, gids, packs[:k], np.asarray(res.lengths, np.int64), skipped, len(res.truncated), carry_out)
 
@@ -505,8 +553,7 @@ class Frontier:
 
 def packable(table: SampleTable, spec: PackSpec, gids: np.ndarray) -> np.ndarray:
     """Which of ``gids`` a pack can take (the over-length and image rules; ``packing.effective_lengths``)."""
-    args = (spec.limit, spec.image_limit, spec.overlength, table.prompt[gids])
-    return packing.effective_lengths(table.length[gids], table.n_images[gids], *args)[1] == 0
+    return _packable_tokens(table, spec, gids)[1] == 0
 
 
 @dataclass(frozen=True)

@@ -156,6 +156,7 @@ def test_bad_choice_and_shapes_are_rejected():
         ("optim.warmup_steps=-1", "'optim.warmup_steps': -1; it must be >= 0"),
         ("optim.betas=[0.9]", "'optim.betas': [0.9]; two numbers in [0, 1)"),
         ("data.train_weights=[-1.0]", "weights must be >= 0"),
+        ("data.shuffle_buffer=2000000", "'data.shuffle_buffer': 2000000; it must be <= 1048576"),
         ("trainer.devices=two", "'trainer.devices': 'two'; a number >= 1 or 'auto'"),
         ("trainer.devices=0", "'trainer.devices': 0; a number >= 1 or 'auto'"),
         ("data.train[0]=data/x", "set the whole list, e.g. data.train=[a,b]"),

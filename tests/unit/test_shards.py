@@ -73,13 +73,15 @@ def test_epoch_order_is_a_deterministic_bounded_shuffle():
 
 
 def test_the_window_shuffle_sorts_chunk_by_chunk_as_one_global_sort_would():
-    from nanovlm.data.shards import _window_shuffle
+    from nanovlm.data.shards import MAX_SHUFFLE_BUFFER, PlanError, _window_shuffle
 
     for n, b, chunk in [(1, 4, 8), (2, 4, 8), (37, 4, 8), (64, 8, 8), (1000, 16, 64), (1000, 300, 64), (513, 7, 512)]:
         order = np.random.default_rng(n).permutation(n)
         key = np.random.default_rng(b).uniform(0.0, float(b), n) + np.arange(n)
-        got = _window_shuffle(order, b, np.random.default_rng(b), chunk)
+        got = _window_shuffle(order.copy(), b, np.random.default_rng(b), chunk)  # sorts in place
         assert got.tolist() == order[np.argsort(key, kind="stable")].tolist()
+    with pytest.raises(PlanError, match="shuffle window of 1048577 samples"):
+        _window_shuffle(np.arange(10), MAX_SHUFFLE_BUFFER + 1, np.random.default_rng(0))
 
 
 def test_mixing_weights():
