@@ -410,11 +410,12 @@ def render_scale(result: ScaleResult) -> str:
     md.append(
         "Per process, before its first read, for 64 ranks x 8 workers and 8,192-token packs (synthetic index, "
         "1,000 shards, one image per sample). *first*: the index as the page cache holds it (read from disk when "
-        "cold); *again*: a second process, columns cached. *split s*: the epoch order, its cut into slots and the "
+        "cold) and the length columns derived and saved into the node's cache; *again*: a second process, columns "
+        "in the page cache, length columns mapped from the node's cache. *split s*: the epoch order, its cut into slots and the "
         "pack count (vectorised, in every process); *slot s*: a worker packing its own slot; *resumed*: the same "
         "for a worker halfway through the epoch; *elastic*: a half-consumed epoch resumed on 48 x 8 (the old slots' "
         "frontiers say what each left), then the worker's new slot. PSS from /proc/self/smaps_rollup after planning: *own* = "
-        "anonymous pages, *mapped* = the index columns' file pages (shared by every process of a node); *worker* = "
+        "anonymous pages, *mapped* = the index's and the length columns' file pages (shared by every process of a node); *worker* = "
         "a process forked from it that reads the length columns."
     )
     rows = []

@@ -6,7 +6,8 @@ stat them, planning never reads them). A fresh child process per size then times
 
 * opening the index (``load_index``: meta.json, every column mapped and checked), measured twice: first with
   whatever the page cache holds, then again with the columns cached (the second process of a node),
-* building the sample table (the length columns for the run's model),
+* building the sample table: the length columns for the run's model, derived and saved into the node's cache by
+  the first run (``--workdir/cache``, cleared first), mapped from it by the second,
 * what a DataLoader worker of 64 ranks x 8 workers does before its first read: the epoch's split and pack count
   (vectorised, every process) and the packing of its own slot, fresh and resumed mid-epoch; and after an
   elastic resume of a half-consumed epoch onto 48 x 8 (the old slots' frontiers, of the size workers report,
@@ -26,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -147,9 +149,9 @@ def _ranges(start: np.ndarray, rows: np.ndarray) -> np.ndarray:
     return np.arange(int(lengths.sum())) + offsets
 
 
-def first_batch(directory: str, tokenizer: str, scenario: str) -> dict[str, Any]:
+def first_batch(directory: str, tokenizer: str, scenario: str, cache: str) -> dict[str, Any]:
     """Time to one worker's first batch through ``PackedMultimodalDataModule``, in a fresh process (``python -m
-    benchmarks.scale --first-batch DIR TOKENIZER fresh|resumed|elastic``), for 64 ranks x 8 workers (48 x 8 after
+    benchmarks.scale --first-batch DIR TOKENIZER fresh|resumed|elastic CACHE``), for 64 ranks x 8 workers (48 x 8 after
     an elastic resume of a half-consumed epoch). Timed from the DataModule's construction (imports excluded):
     setup (index, table), the split, then the worker's first pack planned, read, decoded, tokenized, collated."""
     from nanovlm.config import load_config
@@ -157,7 +159,8 @@ def first_batch(directory: str, tokenizer: str, scenario: str) -> dict[str, Any]
     from nanovlm.data.shards import ConsumedPart, Topology, plan_split
     from nanovlm.data.state import Position
 
-    cfg = load_config(["tiny_cpu.yaml"], [f"data.train=[{directory}]", "data.val=[]", f"data.tokenizer={tokenizer}"])
+    overrides = [f"data.train=[{directory}]", "data.val=[]", f"data.tokenizer={tokenizer}", f"data.cache_dir={cache}"]
+    cfg = load_config(["tiny_cpu.yaml"], overrides)
     cfg.data.num_workers = 8
     world = 48 if scenario == "elastic" else 64
     scenario = "fresh" if scenario == "warm-up" else scenario
@@ -203,15 +206,15 @@ def _pss() -> dict[str, float]:
     return out
 
 
-def child(directory: str, plan_max: int) -> dict[str, Any]:
-    """The measurement of one size, run in a fresh process (``python -m benchmarks.scale DIR PLAN_MAX``)."""
+def child(directory: str, plan_max: int, cache: str) -> dict[str, Any]:
+    """The measurement of one size, run in a fresh process (``python -m benchmarks.scale DIR PLAN_MAX CACHE``)."""
     from nanovlm.data.index import load_index
     from nanovlm.data.shards import ConsumedPart, PackSpec, SampleTable, Topology, pack_slot, plan_split
 
     t0 = time.perf_counter()
     idx = load_index(directory)
     t_open = time.perf_counter()
-    table = SampleTable.from_indexes([(directory, idx)], 64)
+    table = SampleTable.from_indexes([(directory, idx)], 64, cache)
     t_table = time.perf_counter()
     out: dict[str, Any] = {"n": len(table), "open_s": t_open - t0, "table_s": t_table - t_open}
     spec, topo = PackSpec(max_tokens=8192, max_images=64), Topology(64, 8)
@@ -331,7 +334,9 @@ def measure(args: argparse.Namespace, log) -> ScaleResult:
         t0 = time.perf_counter()
         make_index(directory, n, args.seed)
         log(f"[scale] index of {n:,} samples ready in {time.perf_counter() - t0:.1f} s")
-        cmd = [sys.executable, "-m", "benchmarks.scale", str(directory), str(args.scale_plan_max)]
+        cache = Path(args.workdir) / "cache"
+        shutil.rmtree(cache / "tables", ignore_errors=True)  # the first run derives the length columns
+        cmd = [sys.executable, "-m", "benchmarks.scale", str(directory), str(args.scale_plan_max), str(cache)]
         runs = []
         for _ in range(2):  # the first run reads the columns from disk (or a cold page cache), the second does not
             proc = subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True, text=True)
@@ -342,7 +347,16 @@ def measure(args: argparse.Namespace, log) -> ScaleResult:
         make_real_index(real, n, Path(train[0]))
         row["first_batch"] = {}
         for scenario in ("warm-up", "fresh", "resumed", "elastic"):  # the warm-up reads the columns into the cache
-            cmd = [sys.executable, "-m", "benchmarks.scale", "--first-batch", str(real), tokenizer, scenario]
+            cmd = [
+                sys.executable,
+                "-m",
+                "benchmarks.scale",
+                "--first-batch",
+                str(real),
+                tokenizer,
+                scenario,
+                str(cache),
+            ]
             proc = subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True, text=True)
             if scenario != "warm-up":
                 row["first_batch"][scenario] = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -362,6 +376,6 @@ def measure(args: argparse.Namespace, log) -> ScaleResult:
 
 if __name__ == "__main__":
     if sys.argv[1] == "--first-batch":
-        print(json.dumps(first_batch(*sys.argv[2:5])))
+        print(json.dumps(first_batch(*sys.argv[2:6])))
     else:
-        print(json.dumps(child(sys.argv[1], int(sys.argv[2]))))
+        print(json.dumps(child(sys.argv[1], int(sys.argv[2]), sys.argv[3])))

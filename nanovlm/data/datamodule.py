@@ -33,7 +33,7 @@ from nanovlm.data.device_decode import DeviceDecoder, check_decoder
 from nanovlm.data.index import load_index
 from nanovlm.data.loader import make_loader
 from nanovlm.data.processing import SampleProcessor
-from nanovlm.data.remote import shard_cache
+from nanovlm.data.remote import default_cache_dir, shard_cache
 from nanovlm.data.shards import Carry, EpochPlan, EpochSplit, PackSpec, SampleTable, Topology, pack_all, pack_slot
 from nanovlm.data.state import DataState, DataStateError, Position, check_fingerprint, fingerprint, restore
 from nanovlm.data.stream import DataMismatchError, PackStream, StreamSpec
@@ -52,8 +52,9 @@ def load_table(
     chat_format: str = "chatml",
     cache_dir: str | None = None,
 ) -> SampleTable:
-    """The sample table of dataset directories (local or URLs, whose indexes are fetched into ``cache_dir``),
-    refusing an index counted with another tokenizer or chat format."""
+    """The sample table of dataset directories (local or URLs, whose indexes are fetched into ``cache_dir``, where
+    a large table's length columns are kept too), refusing an index counted with another tokenizer or chat
+    format."""
     fingerprint_now = tokenizer_fingerprint(tokenizer, chat_format)
     datasets = []
     for d in dirs:
@@ -65,7 +66,7 @@ def load_table(
                 "scripts/prepare_data.py with this run's tokenizer and config (--tokenizer, --config)."
             )
         datasets.append((str(d), idx))
-    return SampleTable.from_indexes(datasets, layout)
+    return SampleTable.from_indexes(datasets, layout, cache_dir or default_cache_dir())
 
 
 class PackedMultimodalDataModule(L.LightningDataModule):

@@ -30,15 +30,32 @@ the benchmark's scale section); carried samples are trained first in the slot's 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+import os
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 
 import numpy as np
 
 from nanovlm.config import DataConfig
-from nanovlm.data import packing
+from nanovlm.data import lengths, packing
 from nanovlm.data.index import DatasetIndex
 from nanovlm.data.tiling import ImageLayout, as_layout
+
+
+@contextlib.contextmanager
+def small_pages() -> Iterator[None]:
+    """numpy asks the kernel for transparent huge pages for every large array. Where the kernel compacts memory
+    to find them on the first touch (``defrag=madvise``, a common default) and the page cache has fragmented
+    memory, touching a fresh 800 MB array stalled 7 s on the benchmark's machine, against 0.4 s with normal pages;
+    planning touches each of its N-sized arrays once, so it asks for none."""
+    set_hint = getattr(np._core.multiarray, "_set_madvise_hugepage", None)
+    before = set_hint(False) if set_hint else None
+    try:
+        yield
+    finally:
+        if set_hint:
+            set_hint(before)
 
 
 class PlanError(ValueError):
@@ -49,9 +66,9 @@ class PlanError(ValueError):
 class SampleTable:
     """The samples of the training (or validation) directories, one row per gid, built from their indexes.
 
-    Planning reads only the three length columns (derived for the run's model: each process holds them
-    once, and DataLoader workers forked from it share the pages). Where a sample lives (shard, byte range,
-    key) is looked up in the memory-mapped indexes one sample at a time, when it is read or named.
+    Planning reads only the three length columns, derived for the run's model (``lengths``: a large table's are
+    mapped from the node's cache, one copy for all its processes). Where a sample lives (shard, byte range, key)
+    is looked up in the memory-mapped indexes one sample at a time, when it is read or named.
     """
 
     length: np.ndarray  # int32 [N] total tokens (text + image tokens) for the run's model
@@ -108,23 +125,23 @@ class SampleTable:
         )
 
     @classmethod
-    def from_indexes(cls, datasets: Sequence[tuple[str, DatasetIndex]], layout: ImageLayout | int) -> SampleTable:
+    def from_indexes(
+        cls,
+        datasets: Sequence[tuple[str, DatasetIndex]],
+        layout: ImageLayout | int,
+        cache_dir: str | os.PathLike | None = None,
+    ) -> SampleTable:
         """Build from ``[(directory name, its index), ...]``, in that order, for the run's image ``layout``
-        (an int: that many tokens per image, no splitting)."""
+        (an int: that many tokens per image, no splitting). With ``cache_dir`` a large table's length columns
+        are mapped from the node's cache (``lengths``), shared by its processes."""
         layout = as_layout(layout)
-
-        def cat(parts: list[np.ndarray], dtype: type) -> np.ndarray:
-            if len(parts) == 1 and parts[0].dtype == dtype:
-                return parts[0]  # one directory: the mapped column itself, shared by every process
-            return np.concatenate(parts).astype(dtype) if parts else np.zeros(0, dtype)
-
         idxs = [idx for _, idx in datasets]
         sizes = [idx.num_samples for idx in idxs]
         shard_counts = [s.num_samples for idx in idxs for s in idx.shards]
+        with small_pages():
+            columns = lengths.load_columns(idxs, layout, cache_dir)
         return cls(
-            length=cat([i.total_tokens(layout, np.int32) for i in idxs], np.int32),
-            n_images=cat([i.vision_inputs(layout) for i in idxs], np.int32),
-            prompt=cat([i.prompt_lengths(layout, np.int32) for i in idxs], np.int32),
+            **columns,
             shard_start=np.concatenate([[0], np.cumsum(shard_counts, dtype=np.int64)]).astype(np.int64),
             shard_paths=[idx.shard_location(s) for idx in idxs for s in idx.shards],
             shard_dataset=np.asarray([d for d, idx in enumerate(idxs) for _ in idx.shards], np.int32),
@@ -134,6 +151,35 @@ class SampleTable:
             indexes=idxs,
             vision_unit=layout.unit,
         )
+
+    def __getstate__(self) -> dict:
+        """Whole columns mapped from a file travel (to spawned DataLoader workers) as the file's path and are
+        mapped again there: pickling them would copy them into every worker."""
+        state = dict(self.__dict__)
+        for name in lengths.COLUMNS:
+            arr = state[name]
+            if isinstance(arr, np.memmap) and arr.filename and len(np.load(arr.filename, mmap_mode="r")) == len(arr):
+                state[name] = _Mapped(arr.filename, len(arr))
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        for name, value in state.items():
+            state[name] = value.open() if isinstance(value, _Mapped) else value
+        self.__dict__.update(state)
+
+
+@dataclass(frozen=True)
+class _Mapped:
+    """A pickled stand-in for a column mapped from an .npy file."""
+
+    path: str
+    rows: int
+
+    def open(self) -> np.ndarray:
+        arr = np.load(self.path, mmap_mode="r")
+        if len(arr) != self.rows:
+            raise RuntimeError(f"{self.path} changed while the run was using it: restart the run")
+        return arr
 
 
 class KeyView:
@@ -225,6 +271,7 @@ class PackSpec:
         raise PlanError(f"unknown packing mode {self.mode!r}")
 
 
+PIECE = 1 << 20  # samples per step of the N-sized passes: temporaries under 32 MB, reused by malloc
 MAX_SHUFFLE_BUFFER = 1 << 20  # data.shuffle_buffer at most: the window shuffle's keys fit one int64
 
 
@@ -274,11 +321,18 @@ def epoch_order(
     return order
 
 
-def _shard_runs(shard_bounds: np.ndarray, shards: np.ndarray) -> np.ndarray:
-    """The gids of ``shards``, shard after shard (int64), without a Python loop over the shards."""
+def _shard_runs(shard_bounds: np.ndarray, shards: np.ndarray, piece: int = PIECE) -> np.ndarray:
+    """The gids of ``shards``, shard after shard (int64), without a Python loop over the shards: written a group
+    of shards (about ``piece`` samples) at a time, so the one N-sized array is the result."""
     counts = shard_bounds[shards + 1] - shard_bounds[shards]
-    before = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
-    return np.repeat(shard_bounds[shards] - before, counts) + np.arange(int(counts.sum()), dtype=np.int64)
+    ends = np.cumsum(counts)
+    out = np.empty(int(ends[-1]) if len(ends) else 0, np.int64)
+    cuts = np.unique(np.concatenate([[0], np.searchsorted(ends, np.arange(piece, len(out), piece)), [len(shards)]]))
+    for a, b in zip(cuts[:-1], cuts[1:]):
+        lo, hi = int(ends[a - 1]) if a else 0, int(ends[b - 1])
+        out[lo:hi] = np.repeat(shard_bounds[shards[a:b]] - (ends[a:b] - counts[a:b]), counts[a:b])
+        out[lo:hi] += np.arange(lo, hi)
+    return out
 
 
 def _window_shuffle(order: np.ndarray, b: int, rng: np.random.Generator, chunk: int = 1 << 18) -> np.ndarray:
@@ -335,16 +389,19 @@ def balanced_chunks(tokens: np.ndarray, num_slots: int, offsets: np.ndarray | No
     return np.concatenate([[0], inner, [n]]).astype(np.int64)
 
 
-def _prefix_search(x: np.ndarray, targets: np.ndarray, piece: int = 1 << 22) -> np.ndarray:
+def _prefix_search(x: np.ndarray, targets: np.ndarray, piece: int = PIECE) -> np.ndarray:
     """``searchsorted(concat([0], cumsum(x)), targets, side="left")`` for non-negative ``x`` and ascending
     ``targets``, a piece at a time: no N-sized int64 prefix sum (at 100M samples its allocation alone takes
     seconds)."""
     out = np.full(len(targets), len(x) + 1, np.int64)
+    buf = np.empty(min(piece, len(x)), np.int64)
     before, t = 0, 0  # sum of the pieces so far; first target not yet placed
     for lo in range(0, len(x), piece):
         if t == len(targets):
             break
-        cum = np.cumsum(x[lo : lo + piece], dtype=np.int64)
+        cum = buf[: len(x[lo : lo + piece])]
+        cum[:] = x[lo : lo + piece]  # then summed in place: a casting cumsum is 10x slower
+        np.cumsum(cum, out=cum)
         cum += before
         end = int(np.searchsorted(targets, cum[-1], side="right")) if len(cum) else t  # targets placed here
         if end > t:
@@ -438,7 +495,7 @@ def split_epoch(
     bound = carry.bound if per_slot else np.zeros((s, 3), np.int64)
     if per_slot and (len(bound) != s or (carry.slots and set(carry.slots) - set(range(s)))):
         raise PlanError(f"epoch {epoch}: a carry of {len(bound)} slots cannot open an epoch of {s} slots")
-    tokens, code = _packable_tokens(table, spec, order)  # int32 [n], int8 [n]
+    tokens, code, counts = _packable_tokens(table, spec, order)  # int32 [n], int8 [n], int64 [1 + reasons]
     ok = code == 0
     # balanced in the unit that sets K: packable tokens (packs) or samples (padded batches), carries included
     unit, d = (tokens, 0) if spec.mode == "packed" else (ok, 2)
@@ -450,22 +507,24 @@ def split_epoch(
     need = np.where(cap > 0, -(-total // np.maximum(cap, 1)), 0).max(1)  # packs each slot makes at least
     k = int(need.min()) if s else 0
     nxt = np.where(cap > 0, np.maximum(0, total - k * cap), 0)
-    counts = {r: int(np.count_nonzero(code == c + 1)) for c, r in enumerate(packing.SKIP_REASONS)}
-    skips = _named({r: c for r, c in counts.items() if c}, table)
+    skips = _named({r: int(c) for r, c in zip(packing.SKIP_REASONS, counts[1:]) if c}, table)
     return EpochSplit(epoch, topology, order, bounds, carry if per_slot else Carry(), k, nxt, skips, total, len(order))
 
 
-def _packable_tokens(table: SampleTable, spec: PackSpec, gids: np.ndarray, piece: int = 1 << 22):
-    """(int32 [n]: each gid's planned tokens, 0 when no pack can take it; int8 [n]: its skip code), a piece at a
-    time (``packing.effective_lengths``): the length columns' gathers stay piece-sized."""
+def _packable_tokens(table: SampleTable, spec: PackSpec, gids: np.ndarray, piece: int = PIECE):
+    """Each gid's planned tokens (int32 [n], 0 when no pack can take it), its skip code (int8 [n], 0 = packable)
+    and how many have each code (int64 [1 + len(SKIP_REASONS)]), a piece at a time (``packing.effective_lengths``):
+    the length columns' gathers stay piece-sized."""
     tokens, code = np.empty(len(gids), np.int32), np.empty(len(gids), np.int8)
+    counts = np.zeros(len(packing.SKIP_REASONS) + 1, np.int64)
     args = (spec.limit, spec.image_limit, spec.overlength)
     for lo in range(0, len(gids), piece):
         g = gids[lo : lo + piece]
         eff, c = packing.effective_lengths(table.length[g], table.n_images[g], *args, table.prompt[g])
         tokens[lo : lo + len(g)] = np.where(c == 0, eff, 0)
         code[lo : lo + len(g)] = c
-    return tokens, code
+        counts += np.bincount(c, minlength=len(counts))
+    return tokens, code, counts
 
 
 def _named(skipped: dict, table: SampleTable) -> dict:
@@ -504,6 +563,7 @@ class SlotPlan:
         return mask
 
 
+@small_pages()
 def pack_slot(table: SampleTable, spec: PackSpec, split: EpochSplit, slot: int, finite: bool = False) -> SlotPlan:
     """Pack one slot's chunk and keep its first K packs, carrying the samples of the rest (``finite``: keep
     every pack, carry nothing)."""
@@ -699,6 +759,7 @@ def _no_pack_message(split: EpochSplit) -> str:
     )
 
 
+@small_pages()
 def plan_split(
     table: SampleTable,
     spec: PackSpec,
