@@ -16,6 +16,7 @@ import json
 import os
 import tarfile
 import zipfile
+import zlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -65,7 +66,7 @@ def index_shard(path: str, processor: SampleProcessor, max_pixels: int, decode: 
     rows = ShardIndex(name, 0, 0)
     skips: list[list[str]] = []
     try:
-        for ts, members in _samples(path):
+        for ts, members in _samples(path, seen := {}):
             try:
                 _check_key(ts.key)
                 bad = [d for d in members.values() if isinstance(d, SampleError)]
@@ -91,9 +92,9 @@ def index_shard(path: str, processor: SampleProcessor, max_pixels: int, decode: 
         )
         skips.append([name, name, "corrupt_shard", detail])
     rows.num_samples = len(rows.keys)
-    crc = ""
+    crc = seen.get("crc", "")  # of the bytes just indexed, when the shard was read whole
     with contextlib.suppress(OSError):  # an unreadable file has no sample to keep: its skip says why
-        crc = crc32_file(path)
+        crc = crc or crc32_file(path)
     return ShardResult(shard_block(rows), skips, key_hashes(rows.keys), crc)
 
 
@@ -104,16 +105,18 @@ def _check_key(key: str) -> None:
         raise SampleError("bad_key", key.encode(errors="backslashreplace").decode(), "the key is not UTF-8") from None
 
 
-def _samples(path: str) -> Iterator[tuple[TarSample, dict]]:
+def _samples(path: str, seen: dict) -> Iterator[tuple[TarSample, dict]]:
     """(TarSample, {suffix: bytes | SampleError}) of each sample of a shard, in order.
 
-    A well-formed shard up to ``IN_MEMORY_MAX`` is read once and scanned in memory; anything else goes through
-    ``scan_tar``, which raises where the tar breaks after yielding the samples before it."""
+    A well-formed shard up to ``IN_MEMORY_MAX`` is read once and scanned in memory (its CRC-32 taken from those
+    bytes into ``seen["crc"]``, not from a second read); anything else goes through ``scan_tar``, which raises
+    where the tar breaks after yielding the samples before it."""
     with open(path, "rb") as f:
         if os.fstat(f.fileno()).st_size <= IN_MEMORY_MAX:
             blob = f.read()
             samples = scan_bytes(blob)
             if samples is not None:
+                seen["crc"] = f"{zlib.crc32(blob):08x}"
                 for ts in samples:
                     yield ts, {suffix: blob[o : o + n] for suffix, o, n in ts.members}
                 return

@@ -79,6 +79,19 @@ def test_parts_are_trusted_only_with_the_same_stamp_and_version(tmp_path, tiny_t
     assert reindex.load_part(parts, src, [1, 2, "tok"]) is None
 
 
+@pytest.mark.parametrize("whole", [True, False])
+def test_the_shard_crc_is_the_files_whether_read_whole_or_streamed(tmp_path, tiny_tokenizer, monkeypatch, whole):
+    """Read whole, the CRC comes from the bytes just indexed (no second read); streamed, from the file."""
+    from nanovlm.data.index import crc32_file
+
+    if not whole:
+        monkeypatch.setattr(reindex, "IN_MEMORY_MAX", 0)
+    src = tmp_path / "a.tar"
+    _shard(src, ["x", "y", "z"])
+    res = reindex.index_shard(str(src), SampleProcessor(tiny_tokenizer, 1, 1), 0)
+    assert res.crc32 == crc32_file(src) and len(res.hashes) == 3
+
+
 def test_a_key_that_is_not_utf8_is_a_counted_skip(tmp_path, tiny_tokenizer):
     """A member name in latin-1 (a foreign tool): the sample is skipped as bad_key, the rest is indexed."""
     import io

@@ -368,6 +368,17 @@ def test_a_slot_planned_alone_gets_the_packs_of_the_whole_plan_epoch_after_epoch
             carry = Carry({slot: own.carry_out}, split.bound_next)
 
 
+def test_a_carry_of_another_slot_count_is_refused_by_name():
+    t = make_table(UNEVEN)
+    plan = build_epoch_plan(t, SPEC, Topology(2, 2), seed=7, epoch=0, shuffle_buffer=8)
+    order = epoch_order(t, 7, 1, shuffle_buffer=8)
+    with pytest.raises(PlanError, match="a carry of 4 slots cannot open an epoch of 6 slots"):
+        split_epoch(t, SPEC, Topology(3, 2), order, plan.carry(), epoch=1)
+    stray = Carry({9: np.zeros(0, np.int64)}, np.zeros((4, 3), np.int64))  # slot 9 of 4
+    with pytest.raises(PlanError, match="a carry of 4 slots"):
+        split_epoch(t, SPEC, Topology(2, 2), order, stray, epoch=1)
+
+
 def test_each_slot_keeps_the_first_packs_its_chunk_packs_into():
     """Epoch 0 (nothing carried): every slot's packs are the first K its balanced chunk packs into, and K is at
     most the shortest slot's pack count, which is what a plan cutting every slot to that count keeps."""

@@ -200,6 +200,19 @@ def test_a_malformed_state_or_an_unrecorded_setting_is_a_data_state_error(data, 
     make_dm(cfg, tiny_tokenizer).load_state_dict(state)  # the state itself restores
 
 
+def test_a_state_missing_slot_carries_is_a_data_state_error():
+    """The common bound counts every slot; a state that lists fewer slots' carries (a rank's part lost in the
+    gather) is refused rather than opening the epoch without those samples."""
+    from nanovlm.data.state import DataState, RankState, saved_carry
+
+    ranks = [RankState(rank=r, epoch=1, consumed=0, carry_in=[[r * 10 + j] for j in range(2)]) for r in range(2)]
+    state = DataState(2, 2, [], [[0, 0, 0]] * 4, [], [], {}, [], ranks)
+    assert sorted(saved_carry(state).slots) == [0, 1, 2, 3]
+    state.ranks = ranks[:1]
+    with pytest.raises(DataStateError, match="lists the carries of 2 of its 4 slots"):
+        saved_carry(state)
+
+
 def test_resume_seeks_instead_of_replaying(data, tiny_tokenizer, monkeypatch):
     """Samples read before the first batch after a resume do not grow with the position in the epoch."""
     cfg = make_cfg([data / "a", data / "b"])
