@@ -12,6 +12,7 @@ half-written; one that fails its checks (a truncated file, another row count) is
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -65,15 +66,21 @@ def load_columns(idxs: Sequence[DatasetIndex], layout: ImageLayout, cache_dir: s
 
     root = Path(cache_dir) / "tables"
     entry = root / cache_key(idxs, layout)
-    try:
-        with file_lock(root / f"{entry.name}.lock"):
+    with contextlib.ExitStack() as held:
+        try:
+            held.enter_context(file_lock(root / f"{entry.name}.lock"))
+        except OSError as e:  # a read-only or full cache disk: correct, only not shared
+            log.warning("the length columns cannot be cached in %s (%s): each process derives its own", root, e)
+            return derive(idxs, layout)
+        cols = _map(entry, n)
+        if cols is None:
+            cols = derive(idxs, layout)
+            try:
+                _save(entry, cols)
+            except OSError as e:
+                log.warning("the length columns cannot be saved in %s (%s): this process keeps its own", entry, e)
+                return cols
             cols = _map(entry, n)
-            if cols is None:
-                _save(entry, derive(idxs, layout))
-                cols = _map(entry, n)
-    except OSError as e:  # a read-only or full cache disk: correct, only not shared
-        log.warning("the length columns cannot be cached in %s (%s): each process derives its own", root, e)
-        return derive(idxs, layout)
     if cols is None:
         raise RuntimeError(f"{entry}: the length columns just written fail their checks")
     return cols
@@ -99,14 +106,19 @@ def _map(entry: Path, n: int) -> dict[str, np.ndarray] | None:
 
 
 def _save(entry: Path, cols: dict[str, np.ndarray]) -> None:
-    """Write ``cols`` into a temporary directory beside ``entry``, then rename it into place."""
-    tmp = entry.with_name(f"{entry.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
+    """Write ``cols`` into a temporary directory beside ``entry`` and rename it into place (under the entry's
+    lock). A replaced entry is renamed aside first, so processes that mapped its files keep reading them; what
+    crashed writers left beside the entry is removed."""
+    for stale in entry.parent.glob(f"{entry.name}.*-*"):  # .tmp-<pid> / .old-<pid> of earlier writers
+        shutil.rmtree(stale, ignore_errors=True)
+    tmp, old = (entry.with_name(f"{entry.name}.{kind}-{os.getpid()}") for kind in ("tmp", "old"))
     tmp.mkdir(parents=True)
     for name in COLUMNS:
         with open(tmp / f"{name}.npy", "wb") as f:
             np.save(f, np.ascontiguousarray(cols[name], np.int32))
             f.flush()
             os.fsync(f.fileno())
-    shutil.rmtree(entry, ignore_errors=True)  # an entry that failed its checks
+    if entry.exists():  # one that failed its checks
+        os.replace(entry, old)
     os.replace(tmp, entry)
+    shutil.rmtree(old, ignore_errors=True)

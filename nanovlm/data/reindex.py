@@ -65,8 +65,9 @@ def index_shard(path: str, processor: SampleProcessor, max_pixels: int, decode: 
     name = Path(path).name
     rows = ShardIndex(name, 0, 0)
     skips: list[list[str]] = []
+    seen: dict[str, str] = {}  # _samples puts the shard's CRC here when it reads the shard whole
     try:
-        for ts, members in _samples(path, seen := {}):
+        for ts, members in _samples(path, seen):
             try:
                 _check_key(ts.key)
                 bad = [d for d in members.values() if isinstance(d, SampleError)]

@@ -42,20 +42,26 @@ from nanovlm.data import lengths, packing
 from nanovlm.data.index import DatasetIndex
 from nanovlm.data.tiling import ImageLayout, as_layout
 
+try:  # numpy's switch for the huge-page hint it gives large allocations
+    from numpy._core.multiarray import _set_madvise_hugepage
+except ImportError:  # numpy 1.x
+    try:
+        from numpy.core.multiarray import _set_madvise_hugepage
+    except ImportError:
+        _set_madvise_hugepage = None
+
 
 @contextlib.contextmanager
 def small_pages() -> Iterator[None]:
-    """numpy asks the kernel for transparent huge pages for every large array. Where the kernel compacts memory
-    to find them on the first touch (``defrag=madvise``, a common default) and the page cache has fragmented
-    memory, touching a fresh 800 MB array stalled 7 s on the benchmark's machine, against 0.4 s with normal pages;
-    planning touches each of its N-sized arrays once, so it asks for none."""
-    set_hint = getattr(np._core.multiarray, "_set_madvise_hugepage", None)
-    before = set_hint(False) if set_hint else None
+    """Planning touches each of its N-sized arrays once. With numpy's huge-page hint, a kernel that compacts
+    memory to find huge pages on first touch (``defrag=madvise``, a common default) can stall for seconds on a
+    fragmented node; without it a first touch is a plain page fault."""
+    before = _set_madvise_hugepage(False) if _set_madvise_hugepage else None
     try:
         yield
     finally:
-        if set_hint:
-            set_hint(before)
+        if _set_madvise_hugepage:
+            _set_madvise_hugepage(before)
 
 
 class PlanError(ValueError):
@@ -158,7 +164,8 @@ class SampleTable:
         state = dict(self.__dict__)
         for name in lengths.COLUMNS:
             arr = state[name]
-            if isinstance(arr, np.memmap) and arr.filename and len(np.load(arr.filename, mmap_mode="r")) == len(arr):
+            whole = isinstance(arr, np.memmap) and arr.filename and arr.strides == (arr.itemsize,)
+            if whole and len(np.load(arr.filename, mmap_mode="r")) == len(arr):  # forward, full length: the file
                 state[name] = _Mapped(arr.filename, len(arr))
         return state
 
@@ -341,14 +348,17 @@ def _window_shuffle(order: np.ndarray, b: int, rng: np.random.Generator, chunk: 
     63-98% held-out accuracy over four seeds in tests/integration/test_train_and_evaluate.py's run, against
     88-100%.)
 
-    Keys are compared in whole 2^-20 places, ties in position order: integer work, the same on every machine.
+    Keys are sorted as int64 (the key in whole 2^-20 places over its rank by position), then the rare runs that
+    rounding tied are put in float order (``_untie``): exactly a stable sort of the float keys.
     The sort runs ``chunk`` output places at a time: a key below ``hi`` belongs to a position below ``hi``, so
     each chunk sorts its own positions' keys below ``hi`` with those earlier chunks left waiting; that is the
     order one global sort gives, in cache. Only places below ``hi`` are written, after the chunk's values are
     read, so the order is sorted where it lies: no N-sized array is made.
     """
-    if not 0 < b <= MAX_SHUFFLE_BUFFER or not 0 < chunk <= MAX_SHUFFLE_BUFFER:
+    if not 0 < b <= MAX_SHUFFLE_BUFFER:
         raise PlanError(f"a shuffle window of {b} samples: it must be within 1..{MAX_SHUFFLE_BUFFER}")
+    if not 0 < chunk <= MAX_SHUFFLE_BUFFER:
+        raise ValueError(f"chunk must be within 1..{MAX_SHUFFLE_BUFFER}, got {chunk}")
     n, done = len(order), 0
     wait_key, wait_val = np.zeros(0), order[:0].copy()  # keys >= lo drawn by earlier chunks, by position
     for lo in range(0, n, chunk):
@@ -361,10 +371,25 @@ def _window_shuffle(order: np.ndarray, b: int, rng: np.random.Generator, chunk: 
         # int64 [m]: the key in 2^-20 places above lo (< chunk + b <= 2^21), over 21 bits of its rank by position
         packed = ((key - lo) * (1 << 20)).astype(np.int64) << 21
         packed |= np.arange(len(key))
-        packed.sort(kind="stable")  # the keys are distinct: any sort gives this order
-        order[done : done + len(key)] = val[packed & ((1 << 21) - 1)]
+        packed.sort()  # distinct values: any sort gives this order
+        rank = packed & ((1 << 21) - 1)
+        _untie(packed >> 21, rank, key)
+        order[done : done + len(key)] = val[rank]
         done += len(key)
     return order
+
+
+def _untie(q: np.ndarray, rank: np.ndarray, key: np.ndarray) -> None:
+    """Reorder ``rank`` within runs of equal quantised keys ``q`` by the keys themselves (then by rank), so the
+    result is exactly a stable sort of the float keys. Rounding is monotone, so only such runs can be out of
+    order; at 100M samples there are a few dozen."""
+    same = q[1:] == q[:-1]
+    if not same.any():
+        return
+    edges = np.diff(np.concatenate([[False], same, [False]]).astype(np.int8))
+    for a, e in zip(np.flatnonzero(edges == 1), np.flatnonzero(edges == -1) + 1):
+        r = rank[a:e]
+        rank[a:e] = r[np.lexsort((r, key[r]))]
 
 
 def balanced_chunks(tokens: np.ndarray, num_slots: int, offsets: np.ndarray | None = None) -> np.ndarray:
@@ -403,7 +428,7 @@ def _prefix_search(x: np.ndarray, targets: np.ndarray, piece: int = PIECE) -> np
         cum[:] = x[lo : lo + piece]  # then summed in place: a casting cumsum is 10x slower
         np.cumsum(cum, out=cum)
         cum += before
-        end = int(np.searchsorted(targets, cum[-1], side="right")) if len(cum) else t  # targets placed here
+        end = int(np.searchsorted(targets, cum[-1], side="right"))  # targets placed in this piece
         if end > t:
             out[t:end] = lo + np.searchsorted(cum, targets[t:end], side="left") + 1
         before, t = int(cum[-1]), end
@@ -493,8 +518,10 @@ def split_epoch(
     order = np.concatenate([carry.prefix, order]).astype(np.int64) if carry.prefix.size else order
     per_slot = bool(carry.slots) or len(carry.bound) > 0
     bound = carry.bound if per_slot else np.zeros((s, 3), np.int64)
-    if per_slot and (len(bound) != s or (carry.slots and set(carry.slots) - set(range(s)))):
+    if per_slot and len(bound) != s:
         raise PlanError(f"epoch {epoch}: a carry of {len(bound)} slots cannot open an epoch of {s} slots")
+    if stray := sorted(set(carry.slots) - set(range(s))):
+        raise PlanError(f"epoch {epoch}: the carry names slots {stray}, but the epoch has slots 0..{s - 1}")
     tokens, code, counts = _packable_tokens(table, spec, order)  # int32 [n], int8 [n], int64 [1 + reasons]
     ok = code == 0
     # balanced in the unit that sets K: packable tokens (packs) or samples (padded batches), carries included
@@ -511,7 +538,9 @@ def split_epoch(
     return EpochSplit(epoch, topology, order, bounds, carry if per_slot else Carry(), k, nxt, skips, total, len(order))
 
 
-def _packable_tokens(table: SampleTable, spec: PackSpec, gids: np.ndarray, piece: int = PIECE):
+def _packable_tokens(
+    table: SampleTable, spec: PackSpec, gids: np.ndarray, piece: int = PIECE
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Each gid's planned tokens (int32 [n], 0 when no pack can take it), its skip code (int8 [n], 0 = packable)
     and how many have each code (int64 [1 + len(SKIP_REASONS)]), a piece at a time (``packing.effective_lengths``):
     the length columns' gathers stay piece-sized."""

@@ -86,6 +86,7 @@ def test_a_damaged_entry_is_derived_again(indexes, cached, tmp_path, caplog, dam
         assert _columns(_table(indexes, TILES, cache)) == expected
     assert "prompt.npy" in caplog.text
     assert _columns(_table(indexes, TILES, cache)) == expected  # and the entry is whole again
+    assert len(list((cache / "tables").iterdir())) == 2  # the entry and its lock: the replaced one is gone
 
 
 def test_an_unwritable_cache_falls_back_to_memory(indexes, cached, tmp_path, caplog):
@@ -111,9 +112,20 @@ def _build(args):
     return _columns(_table(indexes, TILES, cache))
 
 
-def test_processes_starting_together_share_one_entry(indexes, cached, tmp_path):
-    cache = tmp_path / "cache"
+def test_processes_starting_together_derive_once_and_share_one_entry(indexes, cached, tmp_path, monkeypatch):
+    cache, calls = tmp_path / "cache", tmp_path / "derive-calls"
+    expected = _columns(_table(indexes, TILES, None))
+    real = lengths.derive
+
+    def counted(*args):
+        with open(calls, "a") as f:  # appended by whichever forked process derives
+            f.write("x")
+        return real(*args)
+
+    monkeypatch.setattr(lengths, "derive", counted)
     with mp.get_context("fork").Pool(4) as pool:
         results = pool.map(_build, [(indexes, cache)] * 4)
-    assert all(r == _columns(_table(indexes, TILES, None)) for r in results)
-    assert sorted(p.name for p in (cache / "tables").iterdir() if p.is_dir()) == [lengths.cache_key(indexes, TILES)]
+    assert calls.read_text() == "x"  # the first derived and saved; the other three mapped its entry
+    assert all(r == expected for r in results)
+    key = lengths.cache_key(indexes, TILES)
+    assert sorted(p.name for p in (cache / "tables").iterdir()) == [key, f"{key}.lock"]  # no temporary left

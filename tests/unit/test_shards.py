@@ -84,6 +84,58 @@ def test_the_window_shuffle_sorts_chunk_by_chunk_as_one_global_sort_would():
         _window_shuffle(np.arange(10), MAX_SHUFFLE_BUFFER + 1, np.random.default_rng(0))
 
 
+class _Draws:
+    """A stand-in generator whose ``random`` returns given values in turn (as a Generator's stream does)."""
+
+    def __init__(self, values):
+        self.values, self.at = np.asarray(values, float), 0
+
+    def random(self, n):
+        self.at += n
+        return self.values[self.at - n : self.at]
+
+
+def test_the_window_shuffle_orders_keys_that_round_alike_by_their_value():
+    """Keys closer than the integer sort's 2^-20 places fall into one bucket: they must still come out in float
+    order (positions 1 and 0 below: keys 1 + 2^-23 and 1 + 2^-22), as one stable float sort orders them."""
+    from nanovlm.data.shards import _window_shuffle
+
+    b = 4
+    u = np.random.default_rng(0).random(64)
+    u[0], u[1] = (1 + 2.0**-22) / b, 2.0**-23 / b  # keys 1 + 2^-22 (position 0) and 0 + 1 + 2^-23 (position 1)
+    u[5], u[6], u[7] = (2 + 2.0**-21) / b, (1 + 2.0**-22) / b, 2.0**-23 / b  # a run of three at 7 + ...
+    key = u * b + np.arange(64)
+    assert np.floor(key[0] * 2**20) == np.floor(key[1] * 2**20) and key[1] < key[0]
+    for chunk in (8, 64):
+        got = _window_shuffle(np.arange(64), b, _Draws(u), chunk)
+        assert got.tolist() == np.argsort(key, kind="stable").tolist()
+        assert got[:2].tolist() == [1, 0]
+
+
+def test_piecewise_passes_match_whole_array_work_at_every_piece_size():
+    """The planner's N-sized passes run in pieces (``PIECE`` samples); a boundary anywhere changes nothing."""
+    from nanovlm.data.shards import _packable_tokens, _prefix_search, _shard_runs
+
+    rng = np.random.default_rng(5)
+    t = make_table(UNEVEN)
+    order = epoch_order(t, 1, 0, shuffle_buffer=8)
+    whole = _packable_tokens(t, SPEC, order, piece=len(order))
+    for piece in (1, 2, 3, 7, 64):
+        got = _packable_tokens(t, SPEC, order, piece=piece)
+        assert all(np.array_equal(a, b) for a, b in zip(got, whole))
+    for _ in range(300):
+        x = rng.integers(0, 5, int(rng.integers(0, 40))) * (rng.random() < 0.9)
+        cum = np.concatenate([[0], np.cumsum(x)])
+        targets = np.sort(np.round(rng.uniform(-2, cum[-1] + 3, int(rng.integers(0, 8))), int(rng.integers(0, 2))))
+        counts = rng.integers(0, 6, int(rng.integers(0, 12)))
+        bounds = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+        shards = rng.permutation(len(counts))
+        runs = [np.arange(bounds[s], bounds[s + 1]) for s in shards]
+        for piece in (1, 2, 5, 100):
+            assert _prefix_search(x, targets, piece).tolist() == np.searchsorted(cum, targets, "left").tolist()
+            assert _shard_runs(bounds, shards, piece).tolist() == np.concatenate([[], *runs]).tolist()
+
+
 def test_mixing_weights():
     t = make_table([[30, 30], [10, 10, 10]])
     order = epoch_order(t, seed=0, epoch=0, weights=[2.0, 0.5], shuffle_buffer=4)
@@ -375,7 +427,7 @@ def test_a_carry_of_another_slot_count_is_refused_by_name():
     with pytest.raises(PlanError, match="a carry of 4 slots cannot open an epoch of 6 slots"):
         split_epoch(t, SPEC, Topology(3, 2), order, plan.carry(), epoch=1)
     stray = Carry({9: np.zeros(0, np.int64)}, np.zeros((4, 3), np.int64))  # slot 9 of 4
-    with pytest.raises(PlanError, match="a carry of 4 slots"):
+    with pytest.raises(PlanError, match=r"the carry names slots \[9\], but the epoch has slots 0..3"):
         split_epoch(t, SPEC, Topology(2, 2), order, stray, epoch=1)
 
 
