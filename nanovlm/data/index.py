@@ -192,21 +192,22 @@ class DatasetIndex:
     def _expanded(self, base: str | None, images: str, layout: ImageLayout, dtype: type, tokens: bool) -> np.ndarray:
         """``base`` (each ``<image>`` counted once) plus what the first ``images`` images of each sample add.
 
-        In pieces of 4M samples: no int64 temporary of a whole 100M column. Without splitting every image adds
+        In pieces of 1M samples (int64 temporaries under malloc's 32 MB mmap threshold, so reused rather than
+        faulted in again each piece; none of a whole 100M column). Without splitting every image adds
         ``tokens_per_tile - 1`` tokens; with it the images' sizes decide (``ImageLayout.costs``).
         """
         c = self.columns
         out = np.empty(self.num_samples, dtype)
         limit = np.iinfo(dtype).max
         first_image = 0  # row of image_sizes where the current piece's first sample starts
-        for lo in range(0, self.num_samples, 1 << 22):
-            hi = min(lo + (1 << 22), self.num_samples)
-            counts = c["n_images"][lo:hi].astype(np.int64)
+        for lo in range(0, self.num_samples, 1 << 20):
+            hi = min(lo + (1 << 20), self.num_samples)
             take = c[images][lo:hi].astype(np.int64)
             part = np.zeros(hi - lo, np.int64) if base is None else c[base][lo:hi].astype(np.int64)
             if not layout.splitting:
                 part += take * (layout.tokens_per_tile - 1)
             else:
+                counts = c["n_images"][lo:hi].astype(np.int64)
                 n_rows = int(counts.sum())
                 sizes = c["image_sizes"][first_image : first_image + n_rows]
                 if (take > counts).any() or (sizes <= 0).any():
