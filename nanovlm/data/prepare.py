@@ -26,7 +26,15 @@ import webdataset as wds
 
 from nanovlm.data.format import Record, SampleError, check_key, members_to_record, record_to_json, validate_messages
 from nanovlm.data.index import DatasetIndex, ShardEntry, ShardIndex, crc32_file, remove_index, scan_tar, shard_block
-from nanovlm.data.processing import SampleProcessor, load_image, open_upright, to_rgb
+from nanovlm.data.jpeg_header import jpeg_header
+from nanovlm.data.processing import (
+    ROTATED_ORIENTATIONS,
+    SampleProcessor,
+    check_pixels,
+    load_image,
+    open_upright,
+    to_rgb,
+)
 from nanovlm.data.tokenizer import tokenizer_fingerprint
 
 SHARD_PATTERN = "shard-{:06d}.tar"
@@ -56,6 +64,10 @@ def inspect_image(data: bytes, max_pixels: int = 0, key: str = "", decode: bool 
     ``unreadable_image`` skip when training reads it; other formats are decoded either way, since only the
     decoded image tells their orientation (``processing.open_upright``).
     """
+    if not decode and (head := jpeg_header(data)) is not None:  # a plain JPEG header: no Pillow needed
+        w, h, orientation = head
+        check_pixels(w, h, max_pixels, key)
+        return "jpg", ([h, w] if orientation in ROTATED_ORIENTATIONS else [w, h]), data
     img, upright = open_upright(data, max_pixels, key)
     w, h = img.size
     fmt = img.format

@@ -85,10 +85,17 @@ def open_checked(data: bytes, max_pixels: int = 0, key: str = "") -> Image.Image
         raise SampleError("image_too_large", key, str(e)) from None
     except Exception as e:  # PIL raises many types (OSError, ValueError, SyntaxError, struct.error, ...)
         raise SampleError("unreadable_image", key, describe_error(e)) from None
-    w, h = img.size
+    check_pixels(*img.size, max_pixels, key)
+    return img
+
+
+def check_pixels(w: int, h: int, max_pixels: int = 0, key: str = "") -> None:
+    """SampleError ``image_too_large`` past ``max_pixels`` (> 0) or past twice Pillow's MAX_IMAGE_PIXELS (where
+    Pillow refuses to open a file as a possible decompression bomb)."""
     if max_pixels > 0 and w * h > max_pixels:
         raise SampleError("image_too_large", key, f"{w}x{h} > max_image_pixels={max_pixels}")
-    return img
+    if Image.MAX_IMAGE_PIXELS and w * h > 2 * Image.MAX_IMAGE_PIXELS:
+        raise SampleError("image_too_large", key, f"{w}x{h} pixels: a possible decompression bomb")
 
 
 def open_upright(data: bytes, max_pixels: int = 0, key: str = "") -> tuple[Image.Image, tuple[int, int]]:
