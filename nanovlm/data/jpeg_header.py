@@ -15,6 +15,7 @@ _SOF = frozenset({0xC0, 0xC1, 0xC2, 0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0x
 _SKIPPED = frozenset({0xC4, 0xCC, 0xDB, 0xDD, 0xFE, *range(0xE0, 0xF0)})  # tables, restart interval, comments, APPn
 _XMP = b"http://ns.adobe.com/xap/1.0/\x00"
 _ORIENTATION = 0x0112
+_X_RESOLUTION = 0x011A
 
 
 def jpeg_header(data: bytes) -> tuple[int, int, int | None] | None:
@@ -41,19 +42,34 @@ def jpeg_header(data: bytes) -> tuple[int, int, int | None] | None:
             if size is not None or len(body) < 6 or body[0] != 8 or body[5] not in (1, 3, 4):
                 return None
             height, width = struct.unpack(">HH", body[1:5])
-            if not (width and height):
+            if not (width and height) or len(body) != 6 + 3 * body[5]:
                 return None
             size = (width, height)
-        elif marker not in _SKIPPED:
+        elif marker not in _SKIPPED or not _plain(marker, body):
             return None
         elif marker == 0xE1 and body.startswith(b"Exif\x00\x00"):
             if exif is not None:  # a second block: Pillow joins them
                 return None
             exif = body[6:]
-        elif (marker == 0xE1 and body.startswith(_XMP)) or (marker == 0xE2 and body.startswith(b"MPF\x00")):
-            return None  # XMP may carry the orientation; MPF makes it a multi-picture file
         at += 2 + length
     return None
+
+
+def _plain(marker: int, body: bytes) -> bool:
+    """Whether Pillow's handler of this segment reads it without raising and without changing what the header
+    says: whole quantisation tables; APP blocks Pillow parses long enough for it; no XMP (it may carry the
+    orientation), no multi-picture data (it makes the file an MPO), no Photoshop block."""
+    if marker == 0xDB:  # tables of 1 + 64 (8-bit) or 1 + 128 (16-bit) bytes, back to back
+        at = 0
+        while at < len(body):
+            at += 1 + 64 * (1 if body[at] >> 4 == 0 else 2)
+        return at == len(body)
+    minimum = {(0xE0, b"JFIF"): 14, (0xE2, b"ICC_PROFILE\x00"): 14, (0xEE, b"Adobe"): 12}
+    for (m, prefix), need in minimum.items():
+        if marker == m and body.startswith(prefix):
+            return len(body) >= need
+    refused = ((0xE1, _XMP), (0xE2, b"MPF\x00"), (0xED, b"Photoshop 3.0\x00"))
+    return not any(marker == m and body.startswith(prefix) for m, prefix in refused)
 
 
 def _orientation(tiff: bytes) -> int | None:
@@ -68,8 +84,11 @@ def _orientation(tiff: bytes) -> int | None:
     (count,) = struct.unpack(end + "H", tiff[ifd : ifd + 2])
     if ifd + 2 + 12 * count > len(tiff):
         return -1
+    found = None
     for at in range(ifd + 2, ifd + 2 + 12 * count, 12):
         tag, kind, n = struct.unpack(end + "HHI", tiff[at : at + 8])
-        if tag == _ORIENTATION:
-            return struct.unpack(end + "H", tiff[at + 8 : at + 10])[0] if kind == 3 and n == 1 else -1
-    return None
+        if tag == _X_RESOLUTION and kind not in (5, 10):  # Pillow reads it as a fraction while opening the file
+            return -1
+        if tag == _ORIENTATION and found is None:  # the first one counts, as in Pillow
+            found = struct.unpack(end + "H", tiff[at + 8 : at + 10])[0] if kind == 3 and n == 1 else -1
+    return found

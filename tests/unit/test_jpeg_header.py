@@ -76,6 +76,65 @@ def test_headers_it_does_not_fully_understand_go_to_pillow():
         inspect_image(cases["cut in its header"], decode=False)
 
 
+def _agrees_with_pillow(data: bytes) -> bool:
+    """The reader answered nothing, or Pillow opens the file and gives the same upright size."""
+    head = jpeg_header(data)
+    if head is None:
+        return True
+    try:
+        upright = _pillow(data)
+    except SampleError:
+        return False
+    w, h, orientation = head
+    return upright == ([h, w] if orientation in (5, 6, 7, 8) else [w, h])
+
+
+def _exif(*entries) -> bytes:
+    """An EXIF block whose IFD0 holds ``entries`` = (tag, type, count, 4 value bytes)."""
+    ifd = struct.pack("<H", len(entries)) + b"".join(struct.pack("<HHI", t, k, n) + v for t, k, n, v in entries)
+    return b"Exif\x00\x00II*\x00\x08\x00\x00\x00" + ifd + b"\x00" * 4
+
+
+def test_segments_pillow_refuses_are_left_to_pillow():
+    """Pillow parses some segments while opening and refuses the file when they are short or odd; the reader
+    must then not answer, or a file Pillow cannot open would be indexed."""
+    plain = _jpeg()
+    sof = plain.index(b"\xff\xc0")
+    cut_sof = plain[:sof] + b"\xff\xc0\x00\x0a" + plain[sof + 4 : sof + 12] + plain[sof + 2 + 17 :]
+    cases = {
+        "a SOF cut inside its components": cut_sof,
+        "a short ICC profile": _with_segment(plain, 0xE2, b"ICC_PROFILE\x00"),
+        "a short quantisation table": _with_segment(plain, 0xDB, b"\x00" + b"\x01" * 10),
+        "a short JFIF block": _with_segment(plain, 0xE0, b"JFIF\x00"),
+        "a short Adobe block": _with_segment(plain, 0xEE, b"Adobe"),
+        "a Photoshop block": _with_segment(plain, 0xED, b"Photoshop 3.0\x00" + b"8BIM\x03\xed"),
+        "an XResolution Pillow cannot divide": _with_segment(
+            plain,
+            0xE1,
+            _exif(
+                (0x0112, 3, 1, b"\x06\x00\x00\x00"), (0x011A, 2, 1, b"\x00" * 4), (0x0128, 3, 1, b"\x02\x00\x00\x00")
+            ),
+        ),
+    }
+    for name, data in cases.items():
+        assert jpeg_header(data) is None, name
+        assert _agrees_with_pillow(data), name
+
+
+def test_truncated_bodies_of_every_segment_kind_are_answered_only_where_pillow_agrees():
+    plain = _jpeg()
+    prefixes = {0xE0: b"JFIF\x00\x01\x01\x01\x00H\x00H\x00\x00", 0xE1: _exif((0x0112, 3, 1, b"\x06\x00\x00\x00")),
+                0xE2: b"ICC_PROFILE\x00\x01\x01" + b"\x00" * 8, 0xED: b"Photoshop 3.0\x00", 0xEE: b"Adobe\x00d\x00\x00\x00\x00\x01",
+                0xDB: b"\x00" + b"\x01" * 64, 0xC4: b"\x00" * 17, 0xDD: b"\x00\x04", 0xFE: b"a comment"}  # fmt: skip
+    answered = 0
+    for marker, full in prefixes.items():
+        for n in range(len(full) + 1):
+            data = _with_segment(plain, marker, full[:n])
+            assert _agrees_with_pillow(data), (hex(marker), n)
+            answered += jpeg_header(data) is not None
+    assert answered > 20  # the reader still answers for plain, whole segments
+
+
 def test_a_big_endian_exif_block_is_read():
     tiff = b"MM\x00*\x00\x00\x00\x08\x00\x01" + struct.pack(">HHIH2x", 0x0112, 3, 1, 6) + b"\x00\x00\x00\x00"
     data = _with_segment(_jpeg(), 0xE1, b"Exif\x00\x00" + tiff)
