@@ -58,7 +58,7 @@ def jpeg_header(data: bytes) -> tuple[int, int, int | None] | None:
 def _plain(marker: int, body: bytes) -> bool:
     """Whether Pillow's handler of this segment reads it without raising and without changing what the header
     says: whole quantisation tables; APP blocks Pillow parses long enough for it; no XMP (it may carry the
-    orientation), no multi-picture data (it makes the file an MPO), no Photoshop block."""
+    orientation), no multi-picture data (it makes the file an MPO)."""
     if marker == 0xDB:  # tables of 1 + 64 (8-bit) or 1 + 128 (16-bit) bytes, back to back
         at = 0
         while at < len(body):
@@ -68,8 +68,30 @@ def _plain(marker: int, body: bytes) -> bool:
     for (m, prefix), need in minimum.items():
         if marker == m and body.startswith(prefix):
             return len(body) >= need
-    refused = ((0xE1, _XMP), (0xE2, b"MPF\x00"), (0xED, b"Photoshop 3.0\x00"))
+    if marker == 0xED and body.startswith(b"Photoshop 3.0\x00"):
+        return _photoshop_readable(body)
+    refused = ((0xE1, _XMP), (0xE2, b"MPF\x00"))
     return not any(marker == m and body.startswith(prefix) for m, prefix in refused)
+
+
+def _photoshop_readable(body: bytes) -> bool:
+    """Whether Pillow walks this block's 8BIM resources without an IndexError: it stops quietly where a number
+    runs past the end, but not where a resource's name length does."""
+    at = 14
+    while body[at : at + 4] == b"8BIM":
+        at += 4
+        if at + 2 > len(body):  # the resource code runs past the end: Pillow stops
+            return True
+        at += 2
+        if at >= len(body):  # no name length: Pillow's IndexError
+            return False
+        at += 1 + body[at]
+        at += at & 1
+        if at + 4 > len(body):
+            return True
+        at += 4 + int.from_bytes(body[at : at + 4], "big")
+        at += at & 1
+    return True
 
 
 def _orientation(tiff: bytes) -> int | None:

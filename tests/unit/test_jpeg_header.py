@@ -124,7 +124,7 @@ def test_segments_pillow_refuses_are_left_to_pillow():
 def test_truncated_bodies_of_every_segment_kind_are_answered_only_where_pillow_agrees():
     plain = _jpeg()
     prefixes = {0xE0: b"JFIF\x00\x01\x01\x01\x00H\x00H\x00\x00", 0xE1: _exif((0x0112, 3, 1, b"\x06\x00\x00\x00")),
-                0xE2: b"ICC_PROFILE\x00\x01\x01" + b"\x00" * 8, 0xED: b"Photoshop 3.0\x00", 0xEE: b"Adobe\x00d\x00\x00\x00\x00\x01",
+                0xE2: b"ICC_PROFILE\x00\x01\x01" + b"\x00" * 8, 0xED: b"Photoshop 3.0\x008BIM\x04\x04\x00\x00\x00\x00\x00\x028BIM\x03\xed\x00\x00\x00\x00\x00\x10" + b"\x00" * 16, 0xEE: b"Adobe\x00d\x00\x00\x00\x00\x01",
                 0xDB: b"\x00" + b"\x01" * 64, 0xC4: b"\x00" * 17, 0xDD: b"\x00\x04", 0xFE: b"a comment"}  # fmt: skip
     answered = 0
     for marker, full in prefixes.items():
