@@ -50,6 +50,16 @@ def derive(idxs: Sequence[DatasetIndex], layout: ImageLayout) -> dict[str, np.nd
     }
 
 
+def _held(idxs: Sequence[DatasetIndex], layout: ImageLayout) -> dict[str, np.ndarray]:
+    """Columns an index already maps as the table needs them (one directory without image splitting: its
+    ``n_images``): the cache does not copy them."""
+    if len(idxs) == 1 and not layout.splitting:
+        col = idxs[0].vision_inputs(layout)
+        if isinstance(col, np.memmap):
+            return {"n_images": col}
+    return {}
+
+
 def cache_key(idxs: Sequence[DatasetIndex], layout: ImageLayout) -> str:
     """Names one table: the indexes' content (in order) and the layout the lengths were derived for."""
     parts = {"version": CACHE_VERSION, "indexes": [i.content_hash for i in idxs], "layout": dataclasses.asdict(layout)}
@@ -66,32 +76,34 @@ def load_columns(idxs: Sequence[DatasetIndex], layout: ImageLayout, cache_dir: s
 
     root = Path(cache_dir) / "tables"
     entry = root / cache_key(idxs, layout)
-    with contextlib.ExitStack() as held:
+    held = _held(idxs, layout)
+    names = [c for c in COLUMNS if c not in held]
+    with contextlib.ExitStack() as locked:
         try:
-            held.enter_context(file_lock(root / f"{entry.name}.lock"))
+            locked.enter_context(file_lock(root / f"{entry.name}.lock"))
         except OSError as e:  # a read-only or full cache disk: correct, only not shared
             log.warning("the length columns cannot be cached in %s (%s): each process derives its own", root, e)
             return derive(idxs, layout)
-        cols = _map(entry, n)
+        cols = _map(entry, n, names)
         if cols is None:
-            cols = derive(idxs, layout)
+            cols = {c: v for c, v in derive(idxs, layout).items() if c in names}
             try:
                 _save(entry, cols)
             except OSError as e:
                 log.warning("the length columns cannot be saved in %s (%s): this process keeps its own", entry, e)
-                return cols
-            cols = _map(entry, n)
+                return held | cols
+            cols = _map(entry, n, names)
     if cols is None:
         raise RuntimeError(f"{entry}: the length columns just written fail their checks")
-    return cols
+    return held | cols
 
 
-def _map(entry: Path, n: int) -> dict[str, np.ndarray] | None:
-    """The entry's columns mapped read-only, or None when it is missing or is not ``n`` int32 rows per column."""
+def _map(entry: Path, n: int, names: Sequence[str]) -> dict[str, np.ndarray] | None:
+    """The entry's columns ``names`` mapped read-only, or None when one is missing or is not ``n`` int32 rows."""
     if not entry.is_dir():
         return None
     cols = {}
-    for name in COLUMNS:
+    for name in names:
         path = entry / f"{name}.npy"
         try:
             arr = np.load(path, mmap_mode="r")
@@ -113,9 +125,9 @@ def _save(entry: Path, cols: dict[str, np.ndarray]) -> None:
         shutil.rmtree(stale, ignore_errors=True)
     tmp, old = (entry.with_name(f"{entry.name}.{kind}-{os.getpid()}") for kind in ("tmp", "old"))
     tmp.mkdir(parents=True)
-    for name in COLUMNS:
+    for name, col in cols.items():
         with open(tmp / f"{name}.npy", "wb") as f:
-            np.save(f, np.ascontiguousarray(cols[name], np.int32))
+            np.save(f, np.ascontiguousarray(col, np.int32))
             f.flush()
             os.fsync(f.fileno())
     if entry.exists():  # one that failed its checks

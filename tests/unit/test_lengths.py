@@ -64,6 +64,19 @@ def test_a_large_table_is_derived_once_then_mapped_from_the_cache(indexes, cache
     assert len([p for p in (cache / "tables").iterdir() if p.is_dir()]) == 2  # one entry per layout
 
 
+def test_a_column_the_index_already_maps_is_not_copied(indexes, cached, tmp_path):
+    """One directory without image splitting: the table's encoder-input counts are the index's own mapped column."""
+    table = _table(indexes[:1], 16, tmp_path / "cache")
+    entry = tmp_path / "cache" / "tables" / lengths.cache_key(indexes[:1], as_layout(16))
+    assert sorted(f.name for f in entry.iterdir()) == ["length.npy", "prompt.npy"]
+    assert table.n_images.filename == indexes[0].columns["n_images"].filename
+    assert (
+        _columns(table)
+        == _columns(_table(indexes[:1], 16, None))
+        == _columns(_table(indexes[:1], 16, tmp_path / "cache"))
+    )
+
+
 def test_a_small_table_stays_in_memory_and_writes_nothing(indexes, tmp_path):
     table = _table(indexes, 16, tmp_path / "cache")
     assert not isinstance(table.length, np.memmap) and not (tmp_path / "cache").exists()
