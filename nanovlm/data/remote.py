@@ -22,6 +22,7 @@ jitter (``with_retries``), counted; past the bound, or for an object that is gon
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import hashlib
 import logging
@@ -44,7 +45,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 REMOTE_SCHEMES = ("s3", "s3a", "gs", "gcs", "http", "https", "hf", "az", "abfs")
-CHUNK = 1 << 22  # bytes per read while staging a shard
+LOCAL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG)  # a write error of the local cache
 _EXTRAS = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "http": "aiohttp", "https": "aiohttp"}
 
 
@@ -165,27 +166,24 @@ def read_bytes(url: str, policy: RetryPolicy | None = None, counters: RemoteCoun
     return with_retries(lambda: fs.cat_file(path), redact(url), policy or RetryPolicy(), counters)
 
 
-def _copy(fs, remote: str, dest: Path, mode: str = "wb") -> int:
-    """Stream one remote object into ``dest`` (``mode`` "r+b": a file reserved at its full size, cut to what
-    arrived); returns the bytes copied. A local write error is a LocalCacheError: retrying the store cannot fix it."""
-    n = 0
-    with fs.open(remote, "rb", block_size=CHUNK) as src:
-        try:
-            dst = open(dest, mode)  # noqa: SIM115
-        except OSError as e:
+def _copy(fs, remote: str, dest: Path) -> int:
+    """Stream one remote object into ``dest`` (overwritten) with one request (``get_file``: no size probe first,
+    and s3fs splits a large object into parallel parts); returns the bytes copied. A local write error is a
+    LocalCacheError: retrying the store cannot fix it."""
+    try:
+        open(dest, "wb").close()  # noqa: SIM115 - can we write there at all (not a directory, not read-only)
+    except OSError as e:
+        raise LocalCacheError(e) from None
+    try:
+        fs.get_file(remote, str(dest))
+    except OSError as e:
+        if e.errno in LOCAL_ERRNOS:  # the disk filled up mid-copy, or went read-only
             raise LocalCacheError(e) from None
-        with dst:
-            while chunk := src.read(CHUNK):  # a network error here is the store's: retried by the caller
-                try:
-                    dst.write(chunk)
-                except OSError as e:
-                    raise LocalCacheError(e) from None
-                n += len(chunk)
-            try:
-                dst.truncate(n)
-            except OSError as e:
-                raise LocalCacheError(e) from None
-    return n
+        raise  # the store's (a network error, a 5xx, a gone object): the caller decides whether to retry
+    try:
+        return dest.stat().st_size
+    except OSError as e:
+        raise LocalCacheError(e) from None
 
 
 def download(url: str, dest: Path, policy: RetryPolicy, counters: RemoteCounters | None = None) -> int:
@@ -389,12 +387,13 @@ class ShardCache:
         return True
 
     def _fetch(self, url: str, path: Path, info: ShardInfo) -> None:
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.part")
-        self._make_room(info.size, tmp)
+        part = f".{path.name}.{os.getpid()}.{threading.get_ident()}"
+        reserve, tmp = path.with_name(part + ".part"), path.with_name(part + ".dl")  # see _make_room
+        self._make_room(info.size, reserve)
         fs, remote = filesystem(url)
 
         def fetch_checked() -> None:
-            got = _copy(fs, remote, tmp, "r+b")  # tmp was reserved at full size by _make_room
+            got = _copy(fs, remote, tmp)
             if got != info.size:  # a cut connection, or the object was replaced: fetch again
                 raise ConnectionError(f"got {got} bytes, the index says {info.size}")
             if info.crc32 and crc32_file(tmp) != info.crc32:
@@ -409,13 +408,15 @@ class ShardCache:
             raise RemoteError(f"cannot stage {redact(url)} in {self.dir}: {e} (is the disk full?)") from None
         finally:
             tmp.unlink(missing_ok=True)
+            reserve.unlink(missing_ok=True)
         with self._mutex:
             self._checked.add(path.name)
         self.counters.add(fetched=1, fetched_bytes=info.size)
 
     def _make_room(self, incoming: int, reserve: Path) -> None:
         """Evict staged shards until ``incoming`` more bytes fit under max_bytes, then reserve them: ``reserve``
-        (the fetch's temporary file) is created at its full size, so fetches in flight count against the cap.
+        (``.NAME.PID.TID.part``, beside the fetch's ``.dl`` file that grows) is created at the full size, so
+        fetches in flight count against the cap.
         Evicted first: shards this process's plan does not want soon, then the least recently used on the node; a
         copy whose lock another process holds (being fetched or checked) is left alone; leftovers of fetches whose
         process died are removed."""
@@ -436,11 +437,11 @@ class ShardCache:
                 if not e.is_file() or e.name.endswith(".lock"):
                     continue
                 st = e.stat()
-                if e.name.endswith(".part"):
-                    if _pid_alive(e.name):
-                        total += st.st_size
-                    else:
+                if e.name.endswith((".part", ".dl")):  # a fetch's reservation, and its bytes so far
+                    if not _pid_alive(e.name):
                         Path(e.path).unlink(missing_ok=True)
+                    elif e.name.endswith(".part"):
+                        total += st.st_size
                     continue
                 staged.append((e.name, st.st_size, st.st_mtime))
                 total += st.st_size
@@ -463,7 +464,7 @@ class LocalCacheError(Exception):
 
 
 def _pid_alive(part_name: str) -> bool:
-    """Whether the process that is writing ``.NAME.PID.TID.part`` still runs."""
+    """Whether the process that is writing ``.NAME.PID.TID.part`` (or ``.dl``) still runs."""
     try:
         pid = int(part_name.rsplit(".", 3)[-3])
         os.kill(pid, 0)

@@ -277,7 +277,8 @@ def test_processes_sharing_a_small_cache_never_read_a_missing_or_partial_shard(d
             p.join(30)
     assert all(r[0] == "ok" for r in results), results
     staged = [p for p in (tmp_path / "c").iterdir() if p.name.endswith(".tar")]
-    assert sum(p.stat().st_size for p in staged) <= cap and not list((tmp_path / "c").glob(".*.part"))
+    assert sum(p.stat().st_size for p in staged) <= cap
+    assert not [p.name for p in (tmp_path / "c").iterdir() if p.name.endswith((".part", ".dl"))]
 
 
 def test_a_local_disk_error_is_named_and_not_retried(data, tmp_path):
@@ -295,6 +296,39 @@ def test_a_local_disk_error_is_named_and_not_retried(data, tmp_path):
         with pytest.raises(RemoteError, match=f"cannot stage .* in {tmp_path / 'c'}"):
             cache.open(u)
         assert sum(1 for line in log if line.startswith("GET")) <= 1  # not retried
+
+
+def _fetch_under_file_size_limit(cache: ShardCache, url: str, limit: int, out) -> None:
+    import resource
+    import signal
+
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit then fails with EFBIG, as a full disk does
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+    try:
+        cache.open(url)
+        out.put("opened")
+    except RemoteError as e:
+        out.put(str(e))
+
+
+def test_a_disk_that_fills_mid_fetch_is_named_and_not_retried(data, tmp_path):
+    """The local disk refuses a write halfway through a fetch (a file size limit stands in for a full disk): one
+    request, and the error names the cache directory, not the store."""
+    import multiprocessing as mp
+
+    index = load_index(data / "a")
+    size = index.shards[0].size_bytes
+    with http_server(data) as (url, _, log):
+        u = f"{url}/a/{index.shards[0].name}"
+        # the index claims a small size, so the reservation fits under the limit and the copy is what hits it
+        cache = ShardCache(tmp_path / "c", 10**9, {u: ShardInfo(size // 4)}, FAST)
+        out = mp.get_context("fork").Queue()
+        proc = mp.get_context("fork").Process(target=_fetch_under_file_size_limit, args=(cache, u, size // 2, out))
+        proc.start()
+        message = out.get(timeout=60)
+        proc.join(30)
+    assert message.startswith("cannot stage") and str(tmp_path / "c") in message, message
+    assert sum(1 for line in log if line.startswith("GET")) == 1  # not retried
 
 
 def test_a_vanished_shard_is_a_named_error(data, tiny_tokenizer, tmp_path, monkeypatch):
