@@ -130,8 +130,10 @@ def _gone(e: BaseException) -> bool:
         return True
     if getattr(e, "status", None) in (401, 403, 404):  # aiohttp's ClientResponseError (http, https)
         return True
-    response = getattr(e, "response", None)  # botocore's ClientError, where a backend does not translate it
-    code = response.get("Error", {}).get("Code") if isinstance(response, dict) else None
+    response = getattr(e, "response", None)
+    if getattr(response, "status_code", None) in (401, 403, 404):  # an httpx or requests response (hf://)
+        return True
+    code = response.get("Error", {}).get("Code") if isinstance(response, dict) else None  # botocore's ClientError
     return code in ("NoSuchKey", "NoSuchBucket", "AccessDenied", "403", "404")
 
 

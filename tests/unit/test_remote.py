@@ -11,6 +11,7 @@ import threading
 import pytest
 import torch
 from helpers.data import IMAGE_TOKENS, make_cfg, make_dm, take
+from helpers.hub import hub_server
 from helpers.servers import FaultPlan, gcs_server, http_server, s3_server, upload
 
 from nanovlm.data.datamodule import PackedMultimodalDataModule
@@ -18,10 +19,13 @@ from nanovlm.data.index import DatasetIndexError, load_index
 from nanovlm.data.remote import (
     RemoteCounters,
     RemoteError,
+    RemoteGoneError,
     RetryPolicy,
     ShardCache,
     ShardInfo,
+    download,
     fetch_index,
+    filesystem,
     is_remote,
     redact,
     with_retries,
@@ -139,6 +143,42 @@ def test_training_from_gcs_equals_local_and_resumes_exactly(data, tiny_tokenizer
         same_batches(take(again, 2), want[3:5])
         assert dm.state_dict()["dataset_names"] == [f"gs://{bucket}/sets/a"]
         assert len(list((tmp_path / "cache").rglob("*.tar"))) == len(load_index(data / "a").shards)  # staged
+
+
+def test_training_from_the_hub_equals_local_and_resumes_exactly(data, tiny_tokenizer, tmp_path):
+    """hf:// through huggingface_hub's HfFileSystem against a Hub API server on loopback: 2 workers read the local
+    copy's batches, a state saved mid-epoch resumes exactly, and every shard is fetched whole, once."""
+    want = take(make_dm(make_cfg([data / "a"], num_workers=2), tiny_tokenizer), 5)
+    with hub_server(data, "org/vlm") as (_, log):
+        cfg = make_cfg(["hf://datasets/org/vlm/a"], num_workers=2, cache_dir=str(tmp_path / "cache"))
+        dm = make_dm(cfg, tiny_tokenizer)
+        same_batches(take(dm, 3), want[:3])
+        again = make_dm(cfg, tiny_tokenizer)
+        again.load_state_dict(dm.state_dict())
+        same_batches(take(again, 2), want[3:5])
+    assert dm.state_dict()["dataset_names"] == ["hf://datasets/org/vlm/a"]
+    shards = [s.name for s in load_index(data / "a").shards]
+    assert len(list((tmp_path / "cache").rglob("*.tar"))) == len(shards)  # staged
+    fetched = [line for line in log if "/resolve/" in line and line.endswith(".tar")]
+    assert sorted(line.rsplit("/", 1)[1] for line in fetched) == sorted(shards)  # one whole request per shard
+
+
+def test_a_shard_gone_from_the_hub_is_a_named_error(data, tmp_path):
+    """A shard deleted from the repository after the client listed its directory (so the client still believes
+    it is there): the 404 (an httpx response, not botocore's dict) fails at once with the URL, not after every
+    retry."""
+    import shutil
+
+    repo = tmp_path / "repo"
+    shutil.copytree(data / "a", repo / "a")
+    name = load_index(data / "a").shards[0].name
+    with hub_server(repo, "org/vlm") as (_, log):
+        fs, path = filesystem("hf://datasets/org/vlm/a")
+        assert f"{path}/{name}" in fs.ls(path, detail=False)
+        (repo / "a" / name).unlink()
+        with pytest.raises(RemoteGoneError, match=f"hf://datasets/org/vlm/a/{name} is gone"):
+            download(f"hf://datasets/org/vlm/a/{name}", tmp_path / "out", FAST)
+    assert sum(1 for line in log if line.endswith(name)) == 1, log  # not retried
 
 
 def test_http_faults_lose_and_repeat_nothing(data, tiny_tokenizer, tmp_path, caplog):
