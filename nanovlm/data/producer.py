@@ -110,7 +110,8 @@ class PackProducer:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._started = False
-        self._current_key = ""
+        self._current_ref: Any = None  # the sample being read (its key is looked up only if it fails)
+        self._current_pack = ""  # else the pack being assembled
 
     # ---- producer side (background thread) -------------------------------------------------------------
 
@@ -157,18 +158,22 @@ class PackProducer:
                 got = [done.pop((s, j)) for j in range(len(pack.refs))]
                 skips = [g for g in got if isinstance(g, Skip)]
                 samples = [g for g in got if not isinstance(g, Skip)]
-                self._current_key = f"pack {pack.index} of epoch {pack.epoch}"
+                self._current_ref, self._current_pack = None, f"pack {pack.index} of epoch {pack.epoch}"
                 yield self._assemble(pack, samples, skips)
             if self._stop.is_set():
                 return
 
     def _read_one(self, pack: PlannedPack, j: int) -> Any:
         ref = pack.refs[j]
-        self._current_key = self._key_of(ref)
+        self._current_ref = ref
         try:
             return self._load(ref)
         except self._skip_exceptions as e:
-            return Skip(ref, self._current_key, str(getattr(e, "reason", type(e).__name__)), str(e))
+            return Skip(ref, self._key_of(ref), str(getattr(e, "reason", type(e).__name__)), str(e))
+
+    def _current_name(self) -> str:
+        """What failed, for the error: a sample's key and shard are looked up only then (not per sample)."""
+        return self._current_pack if self._current_ref is None else self._key_of(self._current_ref)
 
     def _run(self) -> None:
         try:
@@ -178,7 +183,7 @@ class PackProducer:
             self._put(_END)
         except BaseException as e:  # noqa: BLE001 - everything is re-raised in the consumer
             tb = traceback.format_exc()
-            self._put(_Failure(self._current_key, f"{type(e).__name__}: {e}\n\nproducer traceback:\n{tb}"))
+            self._put(_Failure(self._current_name(), f"{type(e).__name__}: {e}\n\nproducer traceback:\n{tb}"))
 
     # ---- consumer side -----------------------------------------------------------------------------------
 

@@ -116,8 +116,9 @@ class SampleTable:
     def locate(self, gid: int) -> tuple[str, int, int, str]:
         """(shard path, byte offset, byte size, key) of one sample."""
         d, i = self._local(gid)
-        cols = self.indexes[d].columns
-        return self.shard_paths[int(self.shard_of(gid))], int(cols["offset"][i]), int(cols["nbytes"][i]), self.key(gid)
+        index = self.indexes[d]
+        path = self.shard_paths[int(self.shard_of(gid))]
+        return path, int(index.columns["offset"][i]), int(index.columns["nbytes"][i]), index.key(i)
 
     def head(self, n: int) -> SampleTable:
         """The first ``n`` samples (stored order); shards past them stay listed but hold no sample."""
