@@ -18,7 +18,7 @@ _ORIENTATION = 0x0112
 _X_RESOLUTION = 0x011A
 
 
-def jpeg_header(data: bytes) -> tuple[int, int, int | None] | None:
+def jpeg_header(data: bytes | memoryview) -> tuple[int, int, int | None] | None:
     """(width, height, EXIF orientation or None) as stored (before orientation is applied), or None when the
     header is not one this reader fully understands."""
     if data[:2] != b"\xff\xd8":
@@ -32,7 +32,7 @@ def jpeg_header(data: bytes) -> tuple[int, int, int | None] | None:
             at += 1
             continue
         length = int.from_bytes(data[at + 2 : at + 4], "big")
-        body = data[at + 4 : at + 2 + length]
+        body = bytes(data[at + 4 : at + 2 + length])  # (data may be a view: its segments are small)
         if length < 2 or len(body) != length - 2:
             return None
         if marker == 0xDA:  # the first scan: the header is complete

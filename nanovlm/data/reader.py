@@ -38,7 +38,7 @@ def _checksum_ok(h: bytes) -> bool:
     return ((zlib.adler32(h) & 0xFFFF) - 1 - sum(h[148:156]) + 256 - stored) % 65521 == 0
 
 
-def _fast_headers(blob: bytes, archive: bool = False) -> list[tuple[str, int, int, int]] | None:
+def _fast_headers(blob: bytes | memoryview, archive: bool = False) -> list[tuple[str, int, int, int]] | None:
     """(name, first header offset, data offset, size) of the regular files in ``blob``, parsing ustar/pax headers
     directly; None when anything is unusual (bad checksum, truncation, GNU long names, global pax headers,
     base-256 sizes), so that the ``tarfile`` path decides. Opening a TarFile per sample costs more than the read
@@ -49,7 +49,7 @@ def _fast_headers(blob: bytes, archive: bool = False) -> list[tuple[str, int, in
     pax: dict[bytes, bytes] = {}
     try:
         while pos + 512 <= n:
-            h = blob[pos : pos + 512]
+            h = bytes(blob[pos : pos + 512])  # (a memoryview's slice is one too: bytes has the methods used here)
             if h[0] == 0 and h.count(0) == 512:
                 break
             if h[124] & 0x80 or not _checksum_ok(h):
@@ -60,7 +60,7 @@ def _fast_headers(blob: bytes, archive: bool = False) -> list[tuple[str, int, in
             if not in_pax:
                 first = pos  # a member starts at its pax header, if it has one
             if kind == b"x":  # pax extended header for the next member: "<len> <key>=<value>\n" records
-                data, i = blob[start : start + size], 0
+                data, i = bytes(blob[start : start + size]), 0
                 if start + size > n:
                     return None
                 while i < len(data):
@@ -97,7 +97,7 @@ def _fast_headers(blob: bytes, archive: bool = False) -> list[tuple[str, int, in
     except (ValueError, UnicodeDecodeError):
         return None
     if archive:  # an archive without members (or no bytes at all): scan_tar decides
-        return out if out and blob.count(0, end) == n - end else None
+        return out if out and bytes(blob[end:]).count(0) == n - end else None
     return out if out and end == n else None  # anything left over: let tarfile and the checks below decide
 
 
@@ -107,7 +107,7 @@ def _fast_members(blob: bytes) -> list[tuple[str, bytes]] | None:
     return None if heads is None else [(name, blob[s : s + size]) for name, _, s, size in heads]
 
 
-def scan_bytes(blob: bytes) -> list[TarSample] | None:
+def scan_bytes(blob: bytes | memoryview) -> list[TarSample] | None:
     """``index.scan_tar`` for a whole tar held in memory, several times faster; None when the tar is unusual
     or damaged anywhere (``scan_tar`` then decides, keeping what comes before the damage)."""
     heads = _fast_headers(blob, archive=True)

@@ -15,6 +15,7 @@ import hashlib
 import json
 import os
 import tarfile
+import threading
 import zipfile
 import zlib
 from collections.abc import Callable, Iterator, Sequence
@@ -23,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from nanovlm.data.format import SampleError
+from nanovlm.data.format import IMAGE_SUFFIXES, SampleError
 from nanovlm.data.index import (
     COLUMNS,
     SAMPLE_COLUMNS,
@@ -107,19 +108,22 @@ def _check_key(key: str) -> None:
 
 
 def _samples(path: str, seen: dict) -> Iterator[tuple[TarSample, dict]]:
-    """(TarSample, {suffix: bytes | SampleError}) of each sample of a shard, in order.
+    """(TarSample, {suffix: bytes | memoryview | SampleError}) of each sample of a shard, in order.
 
-    A well-formed shard up to ``IN_MEMORY_MAX`` is read once and scanned in memory (its CRC-32 taken from those
-    bytes into ``seen["crc"]``, not from a second read); anything else goes through ``scan_tar``, which raises
+    A well-formed shard up to ``IN_MEMORY_MAX`` is read once into a buffer this thread reuses and scanned in
+    memory (its CRC-32 taken from those bytes into ``seen["crc"]``, not from a second read); its image members
+    are views into that buffer, valid until the next shard. Anything else goes through ``scan_tar``, which raises
     where the tar breaks after yielding the samples before it."""
     with open(path, "rb") as f:
-        if os.fstat(f.fileno()).st_size <= IN_MEMORY_MAX:
-            blob = f.read()
-            samples = scan_bytes(blob)
+        size = os.fstat(f.fileno()).st_size
+        if size <= IN_MEMORY_MAX:
+            blob = _shard_buffer(size)
+            got = f.readinto(blob)
+            samples = scan_bytes(blob) if got == size else None
             if samples is not None:
                 seen["crc"] = f"{zlib.crc32(blob):08x}"
                 for ts in samples:
-                    yield ts, {suffix: blob[o : o + n] for suffix, o, n in ts.members}
+                    yield ts, {suffix: _member(blob, suffix, o, n) for suffix, o, n in ts.members}
                 return
             del blob
         for ts in scan_tar(path):
@@ -130,6 +134,25 @@ def _samples(path: str, seen: dict) -> Iterator[tuple[TarSample, dict]]:
                 if len(members[suffix]) != size:
                     members[suffix] = SampleError("corrupt_member", ts.key, f"member {suffix} truncated")
             yield ts, members
+
+
+_buffers = threading.local()
+
+
+def _shard_buffer(size: int) -> memoryview:
+    """``size`` bytes of a buffer kept per thread, instead of a fresh bytes object of tens of MB per shard whose
+    image members are then copied out again (together about 5% of header-only indexing on COCO-like shards).
+    Grows, never shrinks, so no view into an older shard's buffer blocks it."""
+    buf = getattr(_buffers, "buf", None)
+    if buf is None or len(buf) < size:
+        buf = _buffers.buf = bytearray(min(IN_MEMORY_MAX, max(size, 2 * len(buf) if buf is not None else 0)))
+    return memoryview(buf)[:size]
+
+
+def _member(blob: memoryview, suffix: str, offset: int, size: int) -> bytes | memoryview:
+    """An image member as a view (no copy of the largest bytes of a shard); text members as bytes."""
+    view = blob[offset : offset + size]
+    return view if suffix.rpartition(".")[2].lower() in IMAGE_SUFFIXES else bytes(view)
 
 
 # ----------------------------------------------------------------------------------------------------------
