@@ -132,8 +132,8 @@ def slow_proxy(upstream: tuple[str, int], latency_ms: float, bandwidth_mb_s: flo
 
 
 @contextlib.contextmanager
-def s3_bucket(local_dir: Path, bucket: str = "bench"):
-    """moto's S3 server with ``local_dir`` uploaded to s3://bucket/ds; yields (host, port)."""
+def s3_bucket(sources: dict[str, Path]):
+    """moto's S3 server with each ``sources`` directory uploaded to s3://BUCKET/ds; yields (host, port)."""
     import os
 
     from moto.server import ThreadedMotoServer
@@ -148,11 +148,12 @@ def s3_bucket(local_dir: Path, bucket: str = "bench"):
     import fsspec
 
     fs = fsspec.filesystem("s3", skip_instance_cache=True)
-    if not fs.exists(bucket):
-        fs.mkdir(bucket)
-    for p in sorted(local_dir.rglob("*")):
-        if p.is_file():
-            fs.put_file(str(p), f"{bucket}/ds/{p.relative_to(local_dir).as_posix()}")
+    for bucket, local_dir in sources.items():
+        if not fs.exists(bucket):
+            fs.mkdir(bucket)
+        for p in sorted(local_dir.rglob("*")):
+            if p.is_file():
+                fs.put_file(str(p), f"{bucket}/ds/{p.relative_to(local_dir).as_posix()}")
     try:
         yield host, port
     finally:
@@ -187,8 +188,32 @@ def epoch_rate(cfg, tokenizer) -> dict[str, Any]:
     }
 
 
+class Rows(list):
+    """The section's rows, each logged as it is recorded."""
+
+    def __init__(self, log) -> None:
+        super().__init__()
+        self.log = log
+
+    def record(self, name: str, latency: int | None, prefetch: bool | None, cold: bool | None, runs: list, sent: list):
+        self.append(
+            {
+                "name": name,
+                "latency_ms": latency,
+                "prefetch": prefetch,
+                "cold": cold,
+                "samples_per_s": Stats.of([r["samples_per_s"] for r in runs]).to_dict(),
+                "of_local": Stats.of([r["samples_per_s"] / r["local"] for r in runs]).to_dict(),
+                "first_batch_s": Stats.of([r["first_batch_s"] for r in runs]).to_dict(),
+                "main_cpu_s": Stats.of([r["main_cpu_s"] for r in runs]).to_dict(),
+                "bytes_per_epoch": (sum(sent) / len(sent)) if sent else None,
+            }
+        )
+        self.log(f"[remote] {name}: {self[-1]['samples_per_s']['median']:.0f} samples/s")
+
+
 def measure(args: argparse.Namespace, log=print) -> dict[str, Any]:
-    """Local vs remote rows (see the module docstring); the JSON part of the section."""
+    """Local vs remote rows (see the module docstring), then the peers'; the JSON part of the section."""
     import fsspec
 
     from nanovlm.data.index import load_index
@@ -201,28 +226,13 @@ def measure(args: argparse.Namespace, log=print) -> dict[str, Any]:
         demo_dirs(cfg)
     source = Path(cfg.data.train[0])
     index = load_index(source)
-    dataset_bytes = sum(s.size_bytes for s in index.shards)
     tokenizer = load_tokenizer(args.tokenizer or cfg.data.tokenizer, cfg.model.vision.image_splitting)
     cache = Path(args.workdir) / "remote_cache"
-    rows: list[dict[str, Any]] = []
-
-    def record(name: str, latency: int | None, prefetch: bool | None, cold: bool | None, runs: list, sent: list):
-        row = {
-            "name": name,
-            "latency_ms": latency,
-            "prefetch": prefetch,
-            "cold": cold,
-            "samples_per_s": Stats.of([r["samples_per_s"] for r in runs]).to_dict(),
-            "of_local": Stats.of([r["samples_per_s"] / r["local"] for r in runs]).to_dict(),
-            "first_batch_s": Stats.of([r["first_batch_s"] for r in runs]).to_dict(),
-            "main_cpu_s": Stats.of([r["main_cpu_s"] for r in runs]).to_dict(),
-            "bytes_per_epoch": (sum(sent) / len(sent)) if sent else None,
-        }
-        rows.append(row)
-        log(f"[remote] {name}: {row['samples_per_s']['median']:.0f} samples/s")
+    rows, peer_rows = Rows(log), Rows(log)
+    peer = Peers.prepare(source, Path(args.workdir), cfg, tokenizer, index.num_samples, log)
 
     local_runs: list[dict[str, Any]] = []
-    with s3_bucket(source) as upstream:
+    with s3_bucket({"bench": source, **peer.dirs}) as upstream:
         for latency in plan.latencies_ms:
             with slow_proxy(upstream, latency, plan.bandwidth_mb_s) as (url, proxy):
                 fsspec.config.conf["s3"] = {"endpoint_url": url}  # a new client (another cache key) per proxy
@@ -240,16 +250,75 @@ def measure(args: argparse.Namespace, log=print) -> dict[str, Any]:
                         cold.append(epoch_rate(remote_cfg, tokenizer) | {"local": local["samples_per_s"]})
                         sent.append(proxy.bytes_out - before)
                         warm.append(epoch_rate(remote_cfg, tokenizer) | {"local": local["samples_per_s"]})
-                    record(f"S3 +{latency} ms, cold", latency, prefetch, True, cold, sent)
-                    record(f"S3 +{latency} ms, warm", latency, prefetch, False, warm, [])
-    record("local disk", None, None, None, [r | {"local": r["samples_per_s"]} for r in local_runs], [])
+                    rows.record(f"S3 +{latency} ms, cold", latency, prefetch, True, cold, sent)
+                    rows.record(f"S3 +{latency} ms, warm", latency, prefetch, False, warm, [])
+                peer.passes(peer_rows, latency, url, proxy)
+    rows.record("local disk", None, None, None, [r | {"local": r["samples_per_s"]} for r in local_runs], [])
     fsspec.config.conf.pop("s3", None)
     shutil.rmtree(cache, ignore_errors=True)
     return {
         "plan": {**plan.__dict__, "latencies_ms": list(plan.latencies_ms)},
         "data": str(source),
-        "dataset_bytes": dataset_bytes,
+        "dataset_bytes": sum(s.size_bytes for s in index.shards),
         "shards": len(index.shards),
         "samples": index.num_samples,
         "rows": rows,
+        "peers": peer.summary(peer_rows),
     }
+
+
+@dataclass
+class Peers:
+    """The peers (benchmarks/peers.py) that import here, prepared from ``source`` into the work directory."""
+
+    work: Path
+    processor: Any
+    expected: int
+    dirs: dict[str, Path] = field(default_factory=dict)  # name -> its prepared dataset (uploaded as s3://NAME/ds)
+    prepared: dict[str, dict[str, float]] = field(default_factory=dict)
+    missing: list[str] = field(default_factory=list)
+
+    @classmethod
+    def prepare(cls, source: Path, work: Path, cfg, tokenizer, expected: int, log) -> Peers:
+        from benchmarks import peers
+        from nanovlm.data.processing import SampleProcessor
+
+        out = cls(work / "peers", SampleProcessor.from_config(tokenizer, cfg.model, cfg.data), expected)
+        for name, ok in peers.available().items():
+            if not ok:
+                out.missing.append(name)
+                continue
+            prepare = peers.prepare_energon if name == "energon" else peers.prepare_litdata
+            out.dirs[name], seconds = prepare(source, out.work)
+            size = sum(p.stat().st_size for p in out.dirs[name].rglob("*") if p.is_file())
+            out.prepared[name] = {"seconds": seconds, "bytes": size}
+            log(f"[remote] {name}: prepared in {seconds:.1f} s, {size / 1e6:.1f} MB")
+        if out.missing:
+            log(f"[remote] peers not installed: {', '.join(out.missing)} ({peers.PEERS_INSTALL})")
+        return out
+
+    def epoch(self, name: str, path: str, cache: Path | None = None, url: str = "") -> dict[str, Any]:
+        from benchmarks import peers
+
+        if name == "energon":
+            msc = {"config": self.work / "msc.yaml", "endpoint_url": url, "cache_dir": str(cache)} if url else None
+            return peers.energon_epoch(path, self.processor, self.expected, msc=msc)
+        return peers.litdata_epoch(path, self.processor, self.expected, cache_dir=str(cache), endpoint_url=url)
+
+    def passes(self, rows: Rows, latency: int, url: str, proxy: Proxy) -> None:
+        """Per peer: a local pass, then from S3 a cold pass (its cache emptied) and a warm one."""
+        for name, local_dir in self.dirs.items():
+            local = self.epoch(name, str(local_dir))
+            rows.record(f"{name}: local disk", None, None, None, [local | {"local": local["samples_per_s"]}], [])
+            cache = self.work / f"{name}_cache"
+            shutil.rmtree(cache, ignore_errors=True)
+            remote = f"msc://{name}/ds" if name == "energon" else f"s3://{name}/ds"
+            for cold in (True, False):
+                before = proxy.bytes_out
+                run = self.epoch(name, remote, cache, url) | {"local": local["samples_per_s"]}
+                sent = [proxy.bytes_out - before] if cold else []
+                rows.record(f"{name}: S3 +{latency} ms, {'cold' if cold else 'warm'}", latency, None, cold, [run], sent)
+            shutil.rmtree(cache, ignore_errors=True)
+
+    def summary(self, rows: Rows) -> dict[str, Any]:
+        return {"prepared": self.prepared, "missing": self.missing, "rows": list(rows)}

@@ -592,6 +592,44 @@ def render_remote(result: dict) -> str:
             rows,
         )
     )
+    if "peers" in result:
+        md += ["", render_peers(result)]
+    return "\n".join(md)
+
+
+def render_peers(result: dict) -> str:
+    """Ours (prefetch on) beside megatron-energon and LitData, row by row, in samples/s."""
+    peers = result["peers"]
+    names = list(peers["prepared"])
+    md = ["### Beside the peers", ""]
+    if peers["missing"]:
+        md += [f"Not installed here, so not measured: {', '.join(peers['missing'])}.", ""]
+    if not names:
+        return "\n".join(md)
+    md.append(
+        "The same shards and per-sample work (members parsed, images decoded and resized, text tokenized, in the "
+        "workers), each peer after its own preparation step, batches of 32 samples collated in the workers; one "
+        "pass per peer and row (ours: the median above). megatron-energon reads S3 through multi-storage-client "
+        "(its cache on for cold and warm), LitData through its own chunk cache. *bytes/epoch*: what the proxy "
+        "sent in the cold epoch, against that loader's own dataset size."
+    )
+    md.append("")
+    ours = {r["name"]: r for r in result["rows"] if r["prefetch"] in (True, None)}
+    theirs = {r["name"]: r for r in peers["rows"]}
+    rows = [["preparation", "(prepare_data)"] + [f"{peers['prepared'][n]['seconds']:.1f} s, "
+            f"{peers['prepared'][n]['bytes'] / 1e6:.0f} MB" for n in names]]  # fmt: skip
+    for name in ours:
+        cells = [name, f"{ours[name]['samples_per_s']['median']:.0f}"]
+        for n in names:
+            r = theirs.get(f"{n}: {name}")
+            if r is None:
+                cells.append("")
+                continue
+            sent = r["bytes_per_epoch"]
+            size = peers["prepared"][n]["bytes"]
+            cells.append(f"{r['samples_per_s']['median']:.0f}" + ("" if sent is None else f" ({sent / size:.2f}x)"))
+        rows.append(cells)
+    md.append(markdown_table(["source", "ours, samples/s", *(f"{n}, samples/s (bytes/epoch)" for n in names)], rows))
     return "\n".join(md)
 
 
