@@ -12,6 +12,7 @@ says so and reports our rows alone.
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import pickle
 import shutil
@@ -68,13 +69,16 @@ class Work:
 
 
 def _timed(batches, expected: int) -> dict[str, Any]:
-    """Drain an epoch of (keys, tensors) batches: samples/s after the first batch; every key exactly once."""
+    """Drain an epoch of (keys, tensors) batches: samples/s after the first batch; every key exactly once, and
+    the token ids delivered."""
     t_first, cpu0 = time.perf_counter(), time.process_time()
     it = iter(batches)
-    keys = list(next(it)[0])
+    keys, tensors = next(it)
+    keys, tokens = list(keys), _tokens(tensors)
     t0, first = time.perf_counter(), len(keys)
-    for batch_keys, _ in it:
+    for batch_keys, tensors in it:
         keys += batch_keys
+        tokens += _tokens(tensors)
     dt = time.perf_counter() - t0
     if len(keys) != expected or len(set(keys)) != expected:
         raise RuntimeError(f"a peer epoch read {len(keys)} samples ({len(set(keys))} distinct), not {expected}")
@@ -85,7 +89,12 @@ def _timed(batches, expected: int) -> dict[str, Any]:
         "first_batch_s": t0 - t_first,
         "samples_per_s": samples / dt,
         "main_cpu_s": time.process_time() - cpu0,
+        "tokens": tokens,  # delivered over the whole epoch
     }
+
+
+def _tokens(tensors: list) -> int:
+    return 0 if tensors[0] is None else int(tensors[0].numel())
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -210,10 +219,14 @@ def prepare_litdata(shards: Path, work: Path) -> tuple[Path, float]:
     out = work / "litdata" / "ds"
     shutil.rmtree(out, ignore_errors=True)
     t0 = time.perf_counter()
-    ld.optimize(
-        fn=_tar_samples, inputs=sorted(str(p) for p in shards.glob("*.tar")), output_dir=str(out),
-        chunk_bytes="4MB", num_workers=2, reorder_files=False, verbose=False,
-    )  # fmt: skip
+    method = multiprocessing.get_start_method(allow_none=True)
+    try:
+        ld.optimize(
+            fn=_tar_samples, inputs=sorted(str(p) for p in shards.glob("*.tar")), output_dir=str(out),
+            chunk_bytes="4MB", num_workers=2, reorder_files=False, verbose=False,
+        )  # fmt: skip
+    finally:  # optimize sets the process-wide start method to spawn (force=True) and leaves it so
+        multiprocessing.set_start_method(method, force=True)
     return out, time.perf_counter() - t0
 
 

@@ -275,6 +275,29 @@ def test_remote_section_reads_from_s3_behind_a_slow_proxy(tmp_path, make_dataset
             assert 1.0 <= row["bytes_per_epoch"] / doc["dataset_bytes"] <= 1.1
 
 
+def test_the_peers_read_every_sample_once(tmp_path, make_dataset, tiny_tokenizer):
+    """Where megatron-energon and LitData are installed (``benchmarks.peers.PEERS_INSTALL``): each, after its own
+    preparation step, reads every sample of the shards exactly once per epoch, with our per-sample work done on
+    every one (the tokens they deliver are the tokens our processor makes)."""
+    pytest.importorskip("megatron.energon")
+    pytest.importorskip("litdata")
+    from helpers.data import IMAGE_TOKENS, make_cfg
+
+    from benchmarks import peers
+    from nanovlm.data.index import load_index
+    from nanovlm.data.processing import SampleProcessor
+
+    make_dataset(tmp_path / "ds", 60, samples_per_shard=10, image_token_count=IMAGE_TOKENS)
+    cfg = make_cfg([tmp_path / "ds"])
+    processor = SampleProcessor.from_config(tiny_tokenizer, cfg.model, cfg.data)
+    index = load_index(tmp_path / "ds")
+    tokens = int(index.columns["text_tokens"].sum()) + (IMAGE_TOKENS - 1) * int(index.columns["n_images"].sum())
+    energon_dir, _ = peers.prepare_energon(tmp_path / "ds", tmp_path / "wd")
+    assert peers.energon_epoch(str(energon_dir), processor, 60)["tokens"] == tokens  # raises unless 60 keys, once
+    litdata_dir, _ = peers.prepare_litdata(tmp_path / "ds", tmp_path / "wd")
+    assert peers.litdata_epoch(str(litdata_dir), processor, 60, cache_dir=str(tmp_path / "c"))["tokens"] == tokens
+
+
 def test_compiled_step_rows_train_the_static_packs_like_eager(tmp_path, make_dataset, tiny_tokenizer):
     """``--compile-step`` on CPU: the packed plan as static packs, eager and with the whole step compiled, gives the
     packed row's losses, compiles one graph for every pack with no break, and reports tokens/s and the host time of
