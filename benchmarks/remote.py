@@ -16,6 +16,7 @@ import http.client
 import shutil
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -191,11 +192,13 @@ def epoch_rate(cfg, tokenizer) -> dict[str, Any]:
 class Rows(list):
     """The section's rows, each logged as it is recorded."""
 
-    def __init__(self, log) -> None:
+    def __init__(self, log: Callable) -> None:
         super().__init__()
         self.log = log
 
-    def record(self, name: str, latency: int | None, prefetch: bool | None, cold: bool | None, runs: list, sent: list):
+    def record(
+        self, name: str, latency: int | None, prefetch: bool | None, cold: bool | None, runs: list, sent: list
+    ) -> None:
         self.append(
             {
                 "name": name,
@@ -277,13 +280,16 @@ class Peers:
     dirs: dict[str, Path] = field(default_factory=dict)  # name -> its prepared dataset (uploaded as s3://NAME/ds)
     prepared: dict[str, dict[str, float]] = field(default_factory=dict)
     missing: list[str] = field(default_factory=list)
+    workers: int = 2
+    local_runs: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
 
     @classmethod
-    def prepare(cls, source: Path, work: Path, cfg, tokenizer, expected: int, log) -> Peers:
+    def prepare(cls, source: Path, work: Path, cfg: Any, tokenizer: Any, expected: int, log: Callable) -> Peers:
         from benchmarks import peers
         from nanovlm.data.processing import SampleProcessor
 
-        out = cls(work / "peers", SampleProcessor.from_config(tokenizer, cfg.model, cfg.data), expected)
+        processor = SampleProcessor.from_config(tokenizer, cfg.model, cfg.data)
+        out = cls(work / "peers", processor, expected, workers=cfg.data.num_workers)
         for name, ok in peers.available().items():
             if not ok:
                 out.missing.append(name)
@@ -300,16 +306,18 @@ class Peers:
     def epoch(self, name: str, path: str, cache: Path | None = None, url: str = "") -> dict[str, Any]:
         from benchmarks import peers
 
+        cache_dir = str(cache) if cache is not None else None
         if name == "energon":
-            msc = {"config": self.work / "msc.yaml", "endpoint_url": url, "cache_dir": str(cache)} if url else None
-            return peers.energon_epoch(path, self.processor, self.expected, msc=msc)
-        return peers.litdata_epoch(path, self.processor, self.expected, cache_dir=str(cache), endpoint_url=url)
+            msc = {"config": self.work / "msc.yaml", "endpoint_url": url, "cache_dir": cache_dir} if url else None
+            return peers.energon_epoch(path, self.processor, self.expected, self.workers, msc=msc)
+        return peers.litdata_epoch(path, self.processor, self.expected, self.workers, cache_dir, url)
 
     def passes(self, rows: Rows, latency: int, url: str, proxy: Proxy) -> None:
-        """Per peer: a local pass, then from S3 a cold pass (its cache emptied) and a warm one."""
+        """Per peer: a local pass, then from S3 a cold pass (its cache emptied) and a warm one, each against the
+        local pass (*of local*); the local passes of every latency make the peer's local row (``finish``)."""
         for name, local_dir in self.dirs.items():
             local = self.epoch(name, str(local_dir))
-            rows.record(f"{name}: local disk", None, None, None, [local | {"local": local["samples_per_s"]}], [])
+            self.local_runs.setdefault(name, []).append(local | {"local": local["samples_per_s"]})
             cache = self.work / f"{name}_cache"
             shutil.rmtree(cache, ignore_errors=True)
             remote = f"msc://{name}/ds" if name == "energon" else f"s3://{name}/ds"
@@ -321,4 +329,6 @@ class Peers:
             shutil.rmtree(cache, ignore_errors=True)
 
     def summary(self, rows: Rows) -> dict[str, Any]:
+        for name, runs in self.local_runs.items():
+            rows.record(f"{name}: local disk", None, None, None, runs, [])
         return {"prepared": self.prepared, "missing": self.missing, "rows": list(rows)}

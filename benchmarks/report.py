@@ -608,28 +608,30 @@ def render_peers(result: dict) -> str:
         return "\n".join(md)
     md.append(
         "The same shards and per-sample work (members parsed, images decoded and resized, text tokenized, in the "
-        "workers), each peer after its own preparation step, batches of 32 samples collated in the workers; one "
-        "pass per peer and row (ours: the median above). megatron-energon reads S3 through multi-storage-client "
-        "(its cache on for cold and warm), LitData through its own chunk cache. *bytes/epoch*: what the proxy "
-        "sent in the cold epoch, against that loader's own dataset size."
+        "workers: `SampleProcessor.process`), each peer after its own preparation step, batches of 32 samples "
+        "collated in the workers; one pass per peer and row, each against that peer's local pass just before it "
+        "(*of local*; its local row: the median of those passes); ours: the medians above. megatron-energon reads "
+        "S3 through multi-storage-client (its cache on for cold and warm), LitData through its own chunk cache. "
+        "*bytes/epoch*: what the proxy sent in the cold epoch, against that loader's own dataset size."
     )
     md.append("")
     ours = {r["name"]: r for r in result["rows"] if r["prefetch"] in (True, None)}
     theirs = {r["name"]: r for r in peers["rows"]}
-    rows = [["preparation", "(prepare_data)"] + [f"{peers['prepared'][n]['seconds']:.1f} s, "
+    rows = [["preparation", "(prepare_data: the index)"] + [f"{peers['prepared'][n]['seconds']:.1f} s, "
             f"{peers['prepared'][n]['bytes'] / 1e6:.0f} MB" for n in names]]  # fmt: skip
+
+    def cell(r: dict, size: float) -> str:
+        sent = r["bytes_per_epoch"]
+        text = f"{r['samples_per_s']['median']:.0f} ({r['of_local']['median'] * 100:.0f}%"
+        return text + ("" if sent is None else f", {sent / size:.2f}x") + ")"
+
     for name in ours:
-        cells = [name, f"{ours[name]['samples_per_s']['median']:.0f}"]
+        cells = [name, cell(ours[name], result["dataset_bytes"])]
         for n in names:
             r = theirs.get(f"{n}: {name}")
-            if r is None:
-                cells.append("")
-                continue
-            sent = r["bytes_per_epoch"]
-            size = peers["prepared"][n]["bytes"]
-            cells.append(f"{r['samples_per_s']['median']:.0f}" + ("" if sent is None else f" ({sent / size:.2f}x)"))
+            cells.append("" if r is None else cell(r, peers["prepared"][n]["bytes"]))
         rows.append(cells)
-    md.append(markdown_table(["source", "ours, samples/s", *(f"{n}, samples/s (bytes/epoch)" for n in names)], rows))
+    md.append(markdown_table(["source", *(f"{n}, samples/s (of local, bytes/epoch)" for n in ["ours", *names])], rows))
     return "\n".join(md)
 
 

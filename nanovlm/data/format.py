@@ -205,7 +205,7 @@ def caption_messages(caption: str) -> list[dict]:
     return [{"role": "user", "content": CAPTION_PROMPT}, {"role": "assistant", "content": caption.strip()}]
 
 
-def _image_members(members: dict[str, bytes]) -> list[bytes]:
+def _image_members(members: dict[str, bytes | memoryview]) -> list[bytes | memoryview]:
     """Image members in order: ``0.jpg``, ``1.png``, ... by number, or a single ``jpg``/``png``/... member."""
     numbered: list[tuple[int, bytes]] = []
     plain: list[tuple[str, bytes]] = []
@@ -230,7 +230,7 @@ def _utf8(members: dict[str, bytes], name: str, key: str) -> str:
         raise SampleError("bad_utf8", key, f"{name} member: {e}") from None
 
 
-def members_to_record(members: dict[str, bytes], key: str) -> Record:
+def members_to_record(members: dict[str, bytes | memoryview], key: str) -> Record:
     """The members of one WebDataset key (suffix -> bytes) -> Record.
 
     ``json`` with ``messages`` (or LLaVA ``conversations``) wins; otherwise a ``txt`` member (or a json

@@ -55,7 +55,9 @@ class PreparedSample:
     prompt_images: int = 0  # images before the first loss token
 
 
-def inspect_image(data: bytes, max_pixels: int = 0, key: str = "", decode: bool = True) -> tuple[str, list[int], bytes]:
+def inspect_image(
+    data: bytes | memoryview, max_pixels: int = 0, key: str = "", decode: bool = True
+) -> tuple[str, list[int], bytes]:
     """Check image bytes; return (member suffix, [width, height] upright, bytes).
 
     ``decode``: decode every byte (JPEG at 1/8 scale, which still reads the whole file) so truncated or corrupt
@@ -292,7 +294,11 @@ def prepare_jsonl_line(
 
 
 def index_tar_sample(
-    members: dict[str, bytes], key: str, processor: SampleProcessor, max_image_pixels: int, decode: bool = True
+    members: dict[str, bytes | memoryview],
+    key: str,
+    processor: SampleProcessor,
+    max_image_pixels: int,
+    decode: bool = True,
 ) -> tuple[tuple[int, int, int], list[list[int]]]:
     """One sample of an existing shard -> ((text, prompt tokens, prompt images), image_sizes), validating it
     as training will read it."""

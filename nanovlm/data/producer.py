@@ -169,11 +169,17 @@ class PackProducer:
         try:
             return self._load(ref)
         except self._skip_exceptions as e:
-            return Skip(ref, self._key_of(ref), str(getattr(e, "reason", type(e).__name__)), str(e))
+            return Skip(ref, self._name(ref), str(getattr(e, "reason", type(e).__name__)), str(e))
 
     def _current_name(self) -> str:
         """What failed, for the error: a sample's key and shard are looked up only then (not per sample)."""
-        return self._current_pack if self._current_ref is None else self._key_of(self._current_ref)
+        return self._current_pack if self._current_ref is None else self._name(self._current_ref)
+
+    def _name(self, ref: Any) -> str:
+        try:
+            return self._key_of(ref)
+        except Exception:  # noqa: BLE001 - the failure being reported matters more than its name
+            return repr(ref)
 
     def _run(self) -> None:
         try:

@@ -142,10 +142,10 @@ _buffers = threading.local()
 def _shard_buffer(size: int) -> memoryview:
     """``size`` bytes of a buffer kept per thread, instead of a fresh bytes object of tens of MB per shard whose
     image members are then copied out again (together about 5% of header-only indexing on COCO-like shards).
-    Grows, never shrinks, so no view into an older shard's buffer blocks it."""
+    Replaced (never resized) by a larger one when a shard needs it, so no view into an older shard blocks it."""
     buf = getattr(_buffers, "buf", None)
     if buf is None or len(buf) < size:
-        buf = _buffers.buf = bytearray(min(IN_MEMORY_MAX, max(size, 2 * len(buf) if buf is not None else 0)))
+        buf = _buffers.buf = bytearray(size)
     return memoryview(buf)[:size]
 
 

@@ -80,10 +80,13 @@ def filesystem(url: str):
         import fsspec
     except ImportError:  # pragma: no cover - fsspec comes with the base install
         raise RemoteError("remote datasets need fsspec: pip install -e '.[remote]'") from None
+    scheme = str(url).split("://", 1)[0].lower()
+    # s3fs would split an object over 50 MB into parallel ranged parts, each held whole in memory (10 x 50 MB per
+    # fetch): a shard is streamed in one request instead
+    options = {"max_concurrency": 1} if scheme in ("s3", "s3a") else {}
     try:
-        return fsspec.core.url_to_fs(url)
+        return fsspec.core.url_to_fs(url, **options)
     except ImportError as e:
-        scheme = str(url).split("://", 1)[0].lower()
         extra = _EXTRAS.get(scheme, "the fsspec backend of this scheme")
         raise RemoteError(
             f"{redact(url)}: reading {scheme}:// needs {extra} (pip install -e '.[remote]'): {e}"
@@ -169,9 +172,9 @@ def read_bytes(url: str, policy: RetryPolicy | None = None, counters: RemoteCoun
 
 
 def _copy(fs, remote: str, dest: Path) -> int:
-    """Stream one remote object into ``dest`` (overwritten) with one request (``get_file``: no size probe first,
-    and s3fs splits a large object into parallel parts); returns the bytes copied. A local write error is a
-    LocalCacheError: retrying the store cannot fix it."""
+    """Stream one remote object into ``dest`` (overwritten) with one request (``get_file``: over s3:// and http(s)://
+    no size probe first; hf:// lists the directory once per process); returns the bytes copied. A local write
+    error is a LocalCacheError: retrying the store cannot fix it."""
     try:
         open(dest, "wb").close()  # noqa: SIM115 - can we write there at all (not a directory, not read-only)
     except OSError as e:
@@ -403,7 +406,9 @@ class ShardCache:
 
         try:
             with_retries(fetch_checked, redact(url), self.policy, self.counters)
-            os.replace(tmp, path)  # atomic: a reader sees the whole shard or none
+            with file_lock(self.dir / ".evict.lock"):  # the shard replaces its reservation in one step for eviction
+                os.replace(tmp, path)  # atomic: a reader sees the whole shard or none
+                reserve.unlink(missing_ok=True)
         except RemoteError:
             raise
         except (LocalCacheError, OSError) as e:  # writing or renaming the staged copy

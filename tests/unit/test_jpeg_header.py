@@ -48,6 +48,7 @@ def test_plain_headers_give_pillows_upright_size_without_pillow(name):
     assert jpeg_header(data) is not None  # answered here
     assert inspect_image(data, decode=False)[1] == _pillow(data)
     assert inspect_image(data, decode=False)[0] == "jpg"
+    assert jpeg_header(memoryview(bytearray(data))) == jpeg_header(data)  # indexing hands images on as views
 
 
 def _with_segment(data: bytes, marker: int, body: bytes) -> bytes:

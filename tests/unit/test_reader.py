@@ -119,6 +119,7 @@ def test_scan_bytes_matches_scan_tar_and_refuses_damage(tmp_path, make_dataset):
     idx = make_dataset(tmp_path / "ds", 12, samples_per_shard=12)
     path = idx.shard_path(0)
     assert scan_bytes(path.read_bytes()) == list(scan_tar(path))
+    assert scan_bytes(memoryview(bytearray(path.read_bytes()))) == list(scan_tar(path))  # indexing's reused buffer
     long_key = "k" * 120  # over ustar's 100-character name: written with a pax header
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tf:

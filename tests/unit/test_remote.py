@@ -159,7 +159,7 @@ def test_training_from_the_hub_equals_local_and_resumes_exactly(data, tiny_token
     assert dm.state_dict()["dataset_names"] == ["hf://datasets/org/vlm/a"]
     shards = [s.name for s in load_index(data / "a").shards]
     assert len(list((tmp_path / "cache").rglob("*.tar"))) == len(shards)  # staged
-    fetched = [line for line in log if "/resolve/" in line and line.endswith(".tar")]
+    fetched = [line for line in log if "/resolve/" in line and ".tar" in line]
     assert sorted(line.rsplit("/", 1)[1] for line in fetched) == sorted(shards)  # one whole request per shard
 
 
@@ -178,7 +178,7 @@ def test_a_shard_gone_from_the_hub_is_a_named_error(data, tmp_path):
         (repo / "a" / name).unlink()
         with pytest.raises(RemoteGoneError, match=f"hf://datasets/org/vlm/a/{name} is gone"):
             download(f"hf://datasets/org/vlm/a/{name}", tmp_path / "out", FAST)
-    assert sum(1 for line in log if line.endswith(name)) == 1, log  # not retried
+    assert sum(1 for line in log if name in line) == 1, log  # not retried
 
 
 def test_http_faults_lose_and_repeat_nothing(data, tiny_tokenizer, tmp_path, caplog):
