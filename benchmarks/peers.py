@@ -18,7 +18,6 @@ import pickle
 import shutil
 import subprocess
 import sys
-import tarfile
 import time
 from pathlib import Path
 from typing import Any
@@ -194,23 +193,14 @@ def _drop_pooled_connections() -> None:
 
 
 def _tar_samples(shard: str):
-    """LitData's ``optimize`` function: one item per sample of a tar shard, (key, pickled {suffix: bytes}); the
-    images stay encoded (a sample's fields must be alike across samples, and ours hold 0-n images)."""
-    from nanovlm.data.index import split_member_name
+    """LitData's ``optimize`` function: one item per sample of a tar shard (grouped by ``index.scan_tar``, as our
+    index groups them), (key, pickled {suffix: bytes}); the images stay encoded (a sample's fields must be alike
+    across samples, and ours hold 0-n images)."""
+    from nanovlm.data.index import scan_tar
 
-    key, members = None, {}
-    with tarfile.open(shard) as tf:
-        for m in tf:
-            if not m.isfile():
-                continue
-            k, suffix = split_member_name(m.name)
-            if k != key and key is not None:
-                yield key, pickle.dumps(members)
-                members = {}
-            key = k
-            members[suffix] = tf.extractfile(m).read()
-    if key is not None:
-        yield key, pickle.dumps(members)
+    blob = Path(shard).read_bytes()
+    for ts in scan_tar(shard):
+        yield ts.key, pickle.dumps({suffix: blob[o : o + n] for suffix, o, n in ts.members})
 
 
 def prepare_litdata(shards: Path, work: Path) -> tuple[Path, float]:

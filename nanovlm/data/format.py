@@ -223,9 +223,9 @@ def _image_members(members: dict[str, bytes | memoryview]) -> list[bytes | memor
     return [d for _, d in sorted(plain)[:1]]
 
 
-def _utf8(members: dict[str, bytes], name: str, key: str) -> str:
+def _utf8(members: dict[str, bytes | memoryview], name: str, key: str) -> str:
     try:
-        return members[name].decode("utf-8")
+        return str(members[name], "utf-8")  # bytes, or a view into a shard read whole (reindex)
     except UnicodeDecodeError as e:
         raise SampleError("bad_utf8", key, f"{name} member: {e}") from None
 

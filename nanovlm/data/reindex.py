@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from nanovlm.data.format import IMAGE_SUFFIXES, SampleError
+from nanovlm.data.format import SampleError
 from nanovlm.data.index import (
     COLUMNS,
     SAMPLE_COLUMNS,
@@ -111,8 +111,8 @@ def _samples(path: str, seen: dict) -> Iterator[tuple[TarSample, dict]]:
     """(TarSample, {suffix: bytes | memoryview | SampleError}) of each sample of a shard, in order.
 
     A well-formed shard up to ``IN_MEMORY_MAX`` is read once into a buffer this thread reuses and scanned in
-    memory (its CRC-32 taken from those bytes into ``seen["crc"]``, not from a second read); its image members
-    are views into that buffer, valid until the next shard. Anything else goes through ``scan_tar``, which raises
+    memory (its CRC-32 taken from those bytes into ``seen["crc"]``, not from a second read); its members are
+    views into that buffer (no copy of a shard's images), valid until the next shard. Anything else goes through ``scan_tar``, which raises
     where the tar breaks after yielding the samples before it."""
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
@@ -123,7 +123,7 @@ def _samples(path: str, seen: dict) -> Iterator[tuple[TarSample, dict]]:
             if samples is not None:
                 seen["crc"] = f"{zlib.crc32(blob):08x}"
                 for ts in samples:
-                    yield ts, {suffix: _member(blob, suffix, o, n) for suffix, o, n in ts.members}
+                    yield ts, {suffix: blob[o : o + n] for suffix, o, n in ts.members}
                 return
             del blob
         for ts in scan_tar(path):
@@ -141,18 +141,12 @@ _buffers = threading.local()
 
 def _shard_buffer(size: int) -> memoryview:
     """``size`` bytes of a buffer kept per thread, instead of a fresh bytes object of tens of MB per shard whose
-    image members are then copied out again (together about 5% of header-only indexing on COCO-like shards).
+    members are then copied out again (together about 5% of header-only indexing on COCO-like shards).
     Replaced (never resized) by a larger one when a shard needs it, so no view into an older shard blocks it."""
     buf = getattr(_buffers, "buf", None)
     if buf is None or len(buf) < size:
         buf = _buffers.buf = bytearray(size)
     return memoryview(buf)[:size]
-
-
-def _member(blob: memoryview, suffix: str, offset: int, size: int) -> bytes | memoryview:
-    """An image member as a view (no copy of the largest bytes of a shard); text members as bytes."""
-    view = blob[offset : offset + size]
-    return view if suffix.rpartition(".")[2].lower() in IMAGE_SUFFIXES else bytes(view)
 
 
 # ----------------------------------------------------------------------------------------------------------

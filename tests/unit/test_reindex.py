@@ -114,6 +114,21 @@ def test_a_key_that_is_not_utf8_is_a_counted_skip(tmp_path, tiny_tokenizer):
     assert [r["reason"] for r in rejected] == ["bad_key"] and "caf" in rejected[0]["key"]
 
 
+def test_bad_text_members_of_a_shard_read_whole_are_named_skips(tmp_path, tiny_tokenizer):
+    """A shard read whole hands its members on as views into one buffer: a json that is not UTF-8, or not JSON,
+    or a txt caption that is not UTF-8, is each a counted skip with its reason; the good sample is indexed."""
+    from helpers.faults import bad_json_variants
+
+    members = [("ok.png", png()), ("ok.json", json_bytes(conversation(1)))]
+    members += [("u.png", png()), ("u.json", bad_json_variants()["invalid_utf8"][0])]
+    members += [("j.png", png()), ("j.json", b"{broken json")]
+    members += [("t.png", png()), ("t.txt", b"caf\xe9")]
+    (tmp_path / "a.tar").write_bytes(tar_bytes(members))
+    res = reindex.index_shard(str(tmp_path / "a.tar"), SampleProcessor(tiny_tokenizer, 8, 16), 0, decode=False)
+    assert res.block["text_tokens"].shape == (1,)
+    assert [(sk[0], sk[2]) for sk in res.skips] == [("u", "bad_utf8"), ("j", "bad_json"), ("t", "bad_utf8")]
+
+
 def test_header_only_image_check_is_refused_for_jsonl(tmp_path):
     (tmp_path / "a.jsonl").write_text("{}\n")
     with pytest.raises(SystemExit, match="--image-check header is for --input DIR"):
