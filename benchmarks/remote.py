@@ -314,7 +314,7 @@ class Peers:
 
     def passes(self, rows: Rows, latency: int, url: str, proxy: Proxy) -> None:
         """Per peer: a local pass, then from S3 a cold pass (its cache emptied) and a warm one, each against the
-        local pass (*of local*); the local passes of every latency make the peer's local row (``finish``)."""
+        local pass (*of local*); the local passes of every latency make the peer's local row (``summary``)."""
         for name, local_dir in self.dirs.items():
             local = self.epoch(name, str(local_dir))
             self.local_runs.setdefault(name, []).append(local | {"local": local["samples_per_s"]})
