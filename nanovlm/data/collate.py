@@ -15,6 +15,7 @@ shortest sample of the run's datasets (``StaticLayout.for_lengths``), so no pack
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -52,17 +53,34 @@ class StaticLayout:
         return cls(max_tokens // shortest + 1, image_slots, image_token_id, image_tokens)
 
 
-def _pixels(samples: Sequence[_Sample], image_size: int, slots: int = 0) -> torch.Tensor:
-    """[n_img, 3, H, W] uint8 in order of appearance; with ``slots`` > 0, exactly ``slots`` rows (blank tail)."""
+def carve(shapes: Sequence[tuple[tuple[int, ...], torch.dtype]]) -> list[torch.Tensor]:
+    """Uninitialised tensors of these (shape, dtype)s, all views of one uint8 storage.
+
+    A DataLoader worker hands each storage of a batch over as a shared-memory segment of its own, created and
+    filled in the worker and mapped in the training process: a fixed cost per storage that, per packed batch of
+    five tensors, came to more CPU than collating it. With one storage per batch the segment is made once (each
+    view still passes its file descriptor, which costs little)."""
+    sizes = [math.prod(shape) * torch.empty(0, dtype=dt).element_size() for shape, dt in shapes]
+    starts = [0]
+    for n in sizes:  # each view starts 8-byte aligned, so any dtype can view its bytes
+        starts.append(starts[-1] + -(-n // 8) * 8)
+    buf = torch.empty(starts[-1], dtype=torch.uint8)
+    return [buf[a : a + n].view(dt).view(shape) for (shape, dt), a, n in zip(shapes, starts, sizes)]
+
+
+def _pixels(samples: Sequence[_Sample], out: torch.Tensor) -> None:
+    """Fill ``out`` [slots, 3, H, W] uint8 with the samples' images in order of appearance, blank after them."""
     imgs = [s.pixel_values for s in samples if s.pixel_values.numel()]
     n = sum(int(i.shape[0]) for i in imgs)
-    if slots and n > slots:
-        raise ValueError(f"pack of {n} images exceeds its {slots} image slots (data.max_images)")
-    if slots > n:
-        imgs.append(torch.zeros(slots - n, 3, image_size, image_size, dtype=torch.uint8))
-    if not imgs:
-        return torch.zeros(0, 3, image_size, image_size, dtype=torch.uint8)
-    return torch.cat(imgs, 0)
+    if n > out.shape[0]:
+        raise ValueError(f"pack of {n} images exceeds its {out.shape[0]} image slots (data.max_images)")
+    if imgs:
+        torch.cat(imgs, 0, out=out[:n])
+    out[n:].zero_()
+
+
+def _n_images(samples: Sequence[_Sample]) -> int:
+    return sum(int(s.pixel_values.shape[0]) for s in samples if s.pixel_values.numel())
 
 
 def _deferred(samples: Sequence[_Sample]) -> list[Deferred]:
@@ -98,20 +116,34 @@ def collate_packed(
     # A handful of whole-pack ops instead of several per sample (per-sample slicing cost ~40 us a sample).
     seg_lens = lens + [max_tokens - total] if total < max_tokens else list(lens)  # padding tail: own segment
     seg = [0, *itertools.accumulate(seg_lens)]
-    input_ids = torch.full((max_tokens,), pad_id, dtype=torch.long)
-    labels = torch.full((max_tokens,), IGNORE_INDEX, dtype=torch.long)
+    if static is not None:
+        _check_segments(len(seg) - 1, static, samples)
+    n_images = _n_images(samples)
+    n_cu = static.segments + 1 if static else len(seg)
+    input_ids, labels, position_ids, cu, pixel_values = carve(
+        [((1, max_tokens), torch.long)] * 3
+        + [
+            ((n_cu,), torch.int32),
+            ((static.image_slots if static else n_images, 3, image_size, image_size), torch.uint8),
+        ]
+    )
+    input_ids.fill_(pad_id)
+    labels.fill_(IGNORE_INDEX)
     if samples:
-        input_ids[:total] = torch.cat([s.input_ids for s in samples])
-        labels[:total] = torch.cat([s.labels for s in samples])
-        labels[seg[: len(samples)]] = IGNORE_INDEX  # no prediction crosses into a sample
+        torch.cat([s.input_ids for s in samples], out=input_ids[0, :total])
+        torch.cat([s.labels for s in samples], out=labels[0, :total])
+        labels[0, seg[: len(samples)]] = IGNORE_INDEX  # no prediction crosses into a sample
     starts = torch.tensor(seg[:-1], dtype=torch.long)
     # positions restart at 0 in every segment: slot index minus its segment's start
-    position_ids = torch.arange(max_tokens) - starts.repeat_interleave(torch.tensor(seg_lens), output_size=max_tokens)
-    cu = torch.tensor(seg, dtype=torch.int32)
-    n_images = sum(int(s.pixel_values.shape[0]) for s in samples if s.pixel_values.numel())
-    pixel_values = _pixels(samples, image_size, static.image_slots if static else 0)
+    torch.sub(
+        torch.arange(max_tokens),
+        starts.repeat_interleave(torch.tensor(seg_lens), output_size=max_tokens),
+        out=position_ids[0],
+    )
+    cu[: len(seg)] = torch.tensor(seg, dtype=torch.int32)
+    cu[len(seg) :] = max_tokens  # static: the unused segments are empty, at the end
+    _pixels(samples, pixel_values)
     if static is not None:
-        cu = _static_cu_seqlens(cu, static, samples)
         _check_placeholders(input_ids, n_images, static, samples)
     info = {
         "real_tokens": total,
@@ -123,9 +155,9 @@ def collate_packed(
     }
     info.update(meta or {})
     batch = {
-        "input_ids": input_ids[None],  # [1, T]
-        "labels": labels[None],  # [1, T]
-        "position_ids": position_ids[None],  # [1, T]
+        "input_ids": input_ids,  # [1, T]
+        "labels": labels,  # [1, T]
+        "position_ids": position_ids,  # [1, T]
         "cu_seqlens": cu,  # [N(+1) + 1] int32; static: [segments + 1]
         "max_seqlen": max_tokens if static else max(seg_lens, default=0),
         "pixel_values": pixel_values,  # [n_img, 3, H, W] uint8; static: [image_slots, 3, H, W]
@@ -137,14 +169,12 @@ def collate_packed(
     return _with_deferred(batch, samples)
 
 
-def _static_cu_seqlens(cu: torch.Tensor, static: StaticLayout, samples: Sequence[_Sample]) -> torch.Tensor:
-    """cu_seqlens [segments + 1]: the real boundaries, then T repeated (empty segments)."""
-    if cu.numel() > static.segments + 1:
+def _check_segments(n: int, static: StaticLayout, samples: Sequence[_Sample]) -> None:
+    if n > static.segments:
         raise ValueError(
-            f"pack of {len(samples)} samples needs {cu.numel() - 1} segments but the static layout has "
+            f"pack of {len(samples)} samples needs {n} segments but the static layout has "
             f"{static.segments}: a sample is shorter than any the index listed ({[s.key for s in samples]})"
         )
-    return torch.cat([cu, cu[-1:].expand(static.segments + 1 - cu.numel())])
 
 
 def _check_placeholders(input_ids: torch.Tensor, n_images: int, static: StaticLayout, samples) -> None:
@@ -162,23 +192,27 @@ def collate_padded(
 ) -> dict[str, Any]:
     """Baseline layout: [B, L] right-padded to the longest sample, with ``attention_mask``."""
     lens = [int(s.input_ids.numel()) for s in samples]
-    b, longest = len(samples), max(lens, default=1)
-    input_ids = torch.full((max(b, 1), longest), pad_id, dtype=torch.long)
-    labels = torch.full((max(b, 1), longest), IGNORE_INDEX, dtype=torch.long)
-    attention_mask = torch.zeros((max(b, 1), longest), dtype=torch.long)
+    b, longest = max(len(samples), 1), max(lens, default=1)
+    n_images = _n_images(samples)
+    input_ids, labels, position_ids, attention_mask, pixel_values = carve(
+        [((b, longest), torch.long)] * 4 + [((n_images, 3, image_size, image_size), torch.uint8)]
+    )
+    input_ids.fill_(pad_id)
+    labels.fill_(IGNORE_INDEX)
+    attention_mask.zero_()
     for i, (s, n) in enumerate(zip(samples, lens)):
         input_ids[i, :n] = s.input_ids
         labels[i, :n] = s.labels
         labels[i, 0] = IGNORE_INDEX
         attention_mask[i, :n] = 1
-    position_ids = torch.arange(longest).expand(max(b, 1), longest).clone() * attention_mask
-    pixel_values = _pixels(samples, image_size)
+    torch.mul(torch.arange(longest), attention_mask, out=position_ids)
+    _pixels(samples, pixel_values)
     info = {
         "real_tokens": sum(lens),
         "seq_sq": sum(n * n for n in lens),
         "slots": max(b, 1) * longest,
-        "n_samples": b,
-        "n_images": int(pixel_values.shape[0]),
+        "n_samples": len(samples),
+        "n_images": n_images,
         "loss_tokens": int((labels != IGNORE_INDEX).sum()),
     }
     info.update(meta or {})

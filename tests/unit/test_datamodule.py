@@ -20,6 +20,7 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from helpers.data import IMAGE_TOKENS, all_keys, carried_keys, make_cfg, make_dm, take
@@ -97,6 +98,16 @@ def test_packed_batches_match_per_sample_processing(data, tiny_tokenizer, overle
     assert n_checked >= 4
 
 
+def _leaves(x):
+    if isinstance(x, dict):
+        x = list(x.values())
+    if isinstance(x, (list, tuple)):
+        for v in x:
+            yield from _leaves(v)
+    else:
+        yield x
+
+
 @pytest.mark.parametrize("world_size,workers", [(1, 2), (2, 1), (3, 2)])
 def test_each_sample_once_per_epoch_across_ranks_and_workers(data, tiny_tokenizer, world_size, workers):
     cfg = make_cfg([data / "a", data / "b"], num_workers=workers)
@@ -108,6 +119,7 @@ def test_each_sample_once_per_epoch_across_ranks_and_workers(data, tiny_tokenize
         assert [b["meta"]["index"] for b in batches] == list(range(n)) and {b["meta"]["epoch"] for b in batches} == {0}
         assert dm.telemetry()["epoch"] == 1  # the rank finished its epoch after exactly n batches
         steps.add(n)
+        assert not any(isinstance(x, np.ndarray) for x in _leaves(batches))  # nothing for default_convert (loader)
         seen += [k for b in batches for k in b["sample_keys"]]
         carry += carried_keys(dm)  # what each slot left at the epoch end, opening its chunk of epoch 1
     assert len(steps) == 1  # every rank takes the same number of steps
