@@ -42,7 +42,6 @@ class PlannedPack:
     index: int  # position of this pack in the rank's stream within the epoch
     refs: list[Any]  # opaque sample references (passed to ``load``), in pack order
     order: list[int]  # read-order key of each ref (its position in the epoch order)
-    planned_lengths: list[int]  # expected processed length of each ref
     extra: dict[str, Any] = field(default_factory=dict)  # copied into the batch meta
 
 

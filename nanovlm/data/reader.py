@@ -9,6 +9,7 @@ worker), so a pack of samples costs no ``open`` calls.
 from __future__ import annotations
 
 import io
+import os
 import tarfile
 import zlib
 from typing import BinaryIO
@@ -183,9 +184,7 @@ class ShardReader:
         return f
 
     def read_members(self, path: str, offset: int, nbytes: int, key: str) -> dict[str, bytes]:
-        f = self._file(path)
-        f.seek(offset)
-        blob = f.read(nbytes)
+        blob = os.pread(self._file(path).fileno(), nbytes, offset)  # one call: no seek, no buffer in between
         if len(blob) != nbytes:
             raise SampleError("corrupt_member", key, f"{path}: short read at {offset} ({len(blob)} of {nbytes} bytes)")
         return parse_members(blob, key)

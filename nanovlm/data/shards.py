@@ -39,7 +39,7 @@ import numpy as np
 
 from nanovlm.config import DataConfig
 from nanovlm.data import lengths, packing
-from nanovlm.data.index import DatasetIndex
+from nanovlm.data.index import DatasetIndex, decode_keys
 from nanovlm.data.tiling import ImageLayout, as_layout
 
 try:  # numpy's switch for the huge-page hint it gives large allocations
@@ -115,10 +115,27 @@ class SampleTable:
 
     def locate(self, gid: int) -> tuple[str, int, int, str]:
         """(shard path, byte offset, byte size, key) of one sample."""
-        d, i = self._local(gid)
-        index = self.indexes[d]
-        path = self.shard_paths[int(self.shard_of(gid))]
-        return path, int(index.columns["offset"][i]), int(index.columns["nbytes"][i]), index.key(i)
+        return self.locate_many(np.array([gid]))[0]
+
+    def locate_many(self, gids: np.ndarray) -> list[tuple[str, int, int, str]]:
+        """``locate`` of each gid [n] (a pack's): a few numpy calls per directory instead of several per sample."""
+        gids = np.asarray(gids, dtype=np.int64)
+        d, shard = self.dataset_of(gids), self.shard_of(gids)
+        out: list = [None] * len(gids)
+        for di in np.unique(d).tolist():
+            at = np.flatnonzero(d == di)
+            rows = gids[at] - self.dataset_start[di]
+            columns = self.indexes[di].columns
+            where = zip(
+                at.tolist(),
+                shard[at].tolist(),
+                columns["offset"][rows].tolist(),
+                columns["nbytes"][rows].tolist(),
+                decode_keys(columns, rows),
+            )
+            for j, s, offset, nbytes, key in where:
+                out[j] = (self.shard_paths[s], offset, nbytes, key)
+        return out
 
     def head(self, n: int) -> SampleTable:
         """The first ``n`` samples (stored order); shards past them stay listed but hold no sample."""

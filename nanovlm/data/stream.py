@@ -16,7 +16,7 @@ import logging
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 from torch.utils.data import IterableDataset, get_worker_info
@@ -42,6 +42,17 @@ from nanovlm.data.shards import (
 from nanovlm.data.state import Position
 
 log = logging.getLogger(__name__)
+
+
+class SampleRef(NamedTuple):
+    """A planned sample: where it is and how long it should be (located a pack at a time: ``locate_many``)."""
+
+    path: str
+    offset: int
+    nbytes: int
+    key: str
+    gid: int
+    length: int  # its tokens, as the index says
 
 
 class DataMismatchError(RuntimeError):
@@ -126,7 +137,7 @@ class PackStream(IterableDataset):
                 extra: dict[str, Any] = {"epoch": pos.epoch, "index": k * spr + local, "worker_slot": slot}
                 extra["slot_frontier"] = frontier.advance(positions)  # what an elastic resume needs of this slot
                 if k == 0:  # the skips the planner made in this slot's chunk, reported once per epoch
-                    # plain dicts: torch's default_convert/pin_memory copy a mapping and then update() it, which
+                    # plain dicts: torch's pin_memory copies a mapping and then update()s it, which
                     # would add a Counter's counts twice
                     extra["planned_skips"] = {
                         r: dict(Counter(s.table.dataset_of(plan.gids[p]).tolist())) for r, p in plan.skipped.items()
@@ -136,14 +147,9 @@ class PackStream(IterableDataset):
                     if local == spr - 1:  # the rank's last batch of the epoch: the training process never re-plans
                         extra["epoch_end"] = True
                         extra["carry_bound"] = split.bound_next.tolist()
-                yield PlannedPack(
-                    pos.epoch,
-                    k * spr + local,
-                    refs=[int(g) for g in gids],
-                    order=[int(p) for p in positions],
-                    planned_lengths=[int(n) for n in plan.lengths[positions]],
-                    extra=extra,
-                )
+                where = zip(s.table.locate_many(gids), gids.tolist(), plan.lengths[positions].tolist())
+                refs = [SampleRef(*w, gid, n) for w, gid, n in where]
+                yield PlannedPack(pos.epoch, k * spr + local, refs, positions.tolist(), extra)
                 k += 1
             if s.finite:
                 return
@@ -166,16 +172,14 @@ class PackStream(IterableDataset):
         # with "drop" the plan already left out over-length samples: process without a limit, so a sample whose
         # real length disagrees with the index fails the length check below instead of passing as a skip
         limit_arg = limit if s.spec.overlength == "truncate" else None
-        planned: dict[int, int] = {}
 
-        def load(gid: int):
-            path, offset, nbytes, key = t.locate(gid)
-            record = reader.read(path, offset, nbytes, key)
+        def load(ref: SampleRef):
+            record = reader.read(ref.path, ref.offset, ref.nbytes, ref.key)
             sample = s.processor.process(record, limit_arg, s.spec.overlength)
-            n, want = int(sample.input_ids.numel()), planned[gid]
+            n, want = int(sample.input_ids.numel()), ref.length
             if n != want and not (sample.truncated and n <= want):
                 raise DataMismatchError(
-                    f"sample {key!r} of {t.dataset_names[t.dataset_of(gid)]} has {n} tokens after processing but its "
+                    f"sample {ref.key!r} of {t.dataset_names[t.dataset_of(ref.gid)]} has {n} tokens after processing but its "
                     f"index says {want}: the index was made with another tokenizer or image token count, or an image's "
                     "size changed since. Re-run scripts/prepare_data.py with this run's tokenizer and model config."
                 )
@@ -185,27 +189,18 @@ class PackStream(IterableDataset):
             for sk in skips:
                 log.warning("skipped sample %s (%s): %s", sk.key, sk.reason, sk.detail)
             meta = dict(pack.extra)
-            meta["skips"] = [(t.key(sk.ref), sk.reason, int(t.dataset_of(sk.ref))) for sk in skips]
+            meta["skips"] = [(sk.ref.key, sk.reason, int(t.dataset_of(sk.ref.gid))) for sk in skips]
             if s.cache is not None:  # this worker's remote reading so far (retries, fetches, bytes)
                 meta["remote"] = s.cache.counters.snapshot()
             if s.spec.mode == "packed":
                 return collate_packed(samples, s.spec.max_tokens, s.pad_id, s.image_size, meta, s.static)
             return collate_padded(samples, s.pad_id, s.image_size, meta)
 
-        def key_of(gid: int) -> str:
-            path, _, _, key = t.locate(gid)
-            return f"{key} ({path})"
-
-        def packs() -> Iterator[PlannedPack]:
-            for p in self._packs(local, (worker + c) // spr, prefetch):
-                planned.update(zip(p.refs, p.planned_lengths))
-                yield p
-
         producer = PackProducer(
-            packs(),
+            self._packs(local, (worker + c) // spr, prefetch),
             load,
             assemble,
-            key_of,
+            lambda ref: f"{ref.key} ({ref.path})",
             queue_size=s.queue_size,
             read_ahead=s.read_ahead,
             skip_exceptions=(SampleError,),

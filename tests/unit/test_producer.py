@@ -14,7 +14,7 @@ from nanovlm.data.producer import PackProducer, PlannedPack, ProducerError
 
 def packs_of(groups, epoch=0):
     """PlannedPacks whose refs are ints; a ref's read-order key is the ref itself."""
-    return [PlannedPack(epoch, i, list(g), list(g), [1] * len(g)) for i, g in enumerate(groups)]
+    return [PlannedPack(epoch, i, list(g), list(g)) for i, g in enumerate(groups)]
 
 
 def assemble(pack, samples, skips):
@@ -72,7 +72,7 @@ def test_queue_is_bounded_and_early_stop_joins_the_thread():
 
     def infinite():
         for i in itertools.count():
-            yield PlannedPack(0, i, [i], [i], [1])
+            yield PlannedPack(0, i, [i], [i])
 
     def load(ref):
         loaded.append(ref)
@@ -93,7 +93,7 @@ def test_queue_is_bounded_and_early_stop_joins_the_thread():
 def test_exception_in_consumer_stops_the_producer():
     def infinite():
         for i in itertools.count():
-            yield PlannedPack(0, i, [i], [i], [1])
+            yield PlannedPack(0, i, [i], [i])
 
     def consume():
         for batch in PackProducer(infinite(), lambda r: r, assemble, str, queue_size=2):

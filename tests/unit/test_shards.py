@@ -53,6 +53,21 @@ UNEVEN = [[50, 3, 1, 20, 7, 33]]
 SPEC = PackSpec(max_tokens=512, max_images=8, lookahead=16, max_carry=4)
 
 
+def test_a_pack_is_located_at_once_as_sample_by_sample():
+    """``locate_many`` (the stream's, a pack at a time) gives what the index says for each gid, in the order given,
+    across directories and shards, the first and last rows of each included."""
+    t = make_table([[5, 0, 3], [4, 6]])
+    gids = np.array([8, 0, 17, 4, 5, 9, 12, 7, 3, 17])
+    first = {d: int(np.flatnonzero(t.shard_dataset == d)[0]) for d in (0, 1)}  # each directory's first shard
+    expect = []
+    for g in gids.tolist():
+        s = int(np.searchsorted(t.shard_start, g, side="right")) - 1
+        d, i = int(t.shard_dataset[s]), g - int(t.shard_start[s])
+        expect.append((t.shard_paths[s], 512 * 4 * i, 512 * 4, f"d{d}s{s - first[d]}k{i}"))
+    assert t.locate_many(gids) == expect
+    assert [t.locate(g) for g in gids.tolist()] == expect and t.locate_many(np.zeros(0, np.int64)) == []
+
+
 def test_epoch_order_is_a_deterministic_bounded_shuffle():
     t = make_table(UNEVEN)
     a = epoch_order(t, seed=1, epoch=0, shuffle_buffer=8)
