@@ -17,7 +17,6 @@ import os
 import tarfile
 import threading
 import zipfile
-import zlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +30,7 @@ from nanovlm.data.index import (
     ShardEntry,
     ShardIndex,
     TarSample,
+    crc32,
     crc32_file,
     decode_key,
     scan_tar,
@@ -121,7 +121,7 @@ def _samples(path: str, seen: dict) -> Iterator[tuple[TarSample, dict]]:
             got = f.readinto(blob)
             samples = scan_bytes(blob) if got == size else None
             if samples is not None:
-                seen["crc"] = f"{zlib.crc32(blob):08x}"
+                seen["crc"] = f"{crc32(blob):08x}"
                 for ts in samples:
                     yield ts, {suffix: blob[o : o + n] for suffix, o, n in ts.members}
                 return

@@ -249,3 +249,18 @@ def test_key_outside_the_index_is_an_index_error(written):
         idx.key(-1)  # would slice every key together
     with pytest.raises(IndexError):
         idx.key(6)
+
+
+def test_the_shard_checksum_is_zlibs_crc32_in_pieces_and_views(tmp_path):
+    """``index.crc32`` (zlib-ng's where installed) is the CRC-32 indexes record: equal to zlib's, whole, continued
+    piece by piece, over a memoryview, and over a file."""
+    import zlib
+
+    from nanovlm.data.index import crc32, crc32_file
+
+    data = np.random.default_rng(0).integers(0, 256, 3 << 20, dtype=np.uint8).tobytes()
+    want = zlib.crc32(data)
+    assert crc32(data) == want and crc32(memoryview(data)[5:]) == zlib.crc32(data[5:])
+    assert crc32(data[1000:], crc32(data[:1000])) == want
+    (tmp_path / "f").write_bytes(data * 2)  # more than crc32_file's 4 MB read
+    assert crc32_file(tmp_path / "f") == f"{zlib.crc32(data * 2):08x}"
