@@ -60,26 +60,31 @@ def carve(shapes: Sequence[tuple[tuple[int, ...], torch.dtype]]) -> list[torch.T
     filled in the worker and mapped in the training process: a fixed cost per storage that, per packed batch of
     five tensors, came to more CPU than collating it. With one storage per batch the segment is made once (each
     view still passes its file descriptor, which costs little)."""
-    sizes = [math.prod(shape) * torch.empty(0, dtype=dt).element_size() for shape, dt in shapes]
+    sizes = [math.prod(shape) * dt.itemsize for shape, dt in shapes]
     starts = [0]
-    for n in sizes:  # each view starts 8-byte aligned, so any dtype can view its bytes
+    for n in sizes:  # each view starts 8-byte aligned: the batch's int64, int32 and uint8 tensors can view its bytes
         starts.append(starts[-1] + -(-n // 8) * 8)
     buf = torch.empty(starts[-1], dtype=torch.uint8)
     return [buf[a : a + n].view(dt).view(shape) for (shape, dt), a, n in zip(shapes, starts, sizes)]
 
 
-def _pixels(samples: Sequence[_Sample], out: torch.Tensor) -> None:
-    """Fill ``out`` [slots, 3, H, W] uint8 with the samples' images in order of appearance, blank after them."""
-    imgs = [s.pixel_values for s in samples if s.pixel_values.numel()]
-    n = sum(int(i.shape[0]) for i in imgs)
+def _pixels(samples: Sequence[_Sample], n: int, out: torch.Tensor) -> None:
+    """Fill ``out`` [slots, 3, H, W] uint8 with the samples' ``n`` images in order of appearance, blank after them.
+    (``cat`` into a view of the wrong shape would resize the view and leave ``out`` unwritten: checked first.)"""
     if n > out.shape[0]:
         raise ValueError(f"pack of {n} images exceeds its {out.shape[0]} image slots (data.max_images)")
-    if imgs:
-        torch.cat(imgs, 0, out=out[:n])
+    with_images = [s for s in samples if s.pixel_values.numel()]
+    for s in with_images:
+        if s.pixel_values.shape[1:] != out.shape[1:]:
+            shape = tuple(s.pixel_values.shape[1:])
+            raise ValueError(f"sample {s.key!r} has images of shape {shape}, not {tuple(out.shape[1:])}")
+    if with_images:
+        torch.cat([s.pixel_values for s in with_images], 0, out=out[:n])
     out[n:].zero_()
 
 
 def _n_images(samples: Sequence[_Sample]) -> int:
+    """Encoder inputs of the samples (images, or tiles): the rows of the pack's pixel_values."""
     return sum(int(s.pixel_values.shape[0]) for s in samples if s.pixel_values.numel())
 
 
@@ -142,7 +147,7 @@ def collate_packed(
     )
     cu[: len(seg)] = torch.tensor(seg, dtype=torch.int32)
     cu[len(seg) :] = max_tokens  # static: the unused segments are empty, at the end
-    _pixels(samples, pixel_values)
+    _pixels(samples, n_images, pixel_values)
     if static is not None:
         _check_placeholders(input_ids, n_images, static, samples)
     info = {
@@ -170,6 +175,7 @@ def collate_packed(
 
 
 def _check_segments(n: int, static: StaticLayout, samples: Sequence[_Sample]) -> None:
+    """A pack of ``n`` segments (samples and the padding tail) must fit the static layout's cu_seqlens."""
     if n > static.segments:
         raise ValueError(
             f"pack of {len(samples)} samples needs {n} segments but the static layout has "
@@ -206,11 +212,11 @@ def collate_padded(
         labels[i, 0] = IGNORE_INDEX
         attention_mask[i, :n] = 1
     torch.mul(torch.arange(longest), attention_mask, out=position_ids)
-    _pixels(samples, pixel_values)
+    _pixels(samples, n_images, pixel_values)
     info = {
         "real_tokens": sum(lens),
         "seq_sq": sum(n * n for n in lens),
-        "slots": max(b, 1) * longest,
+        "slots": b * longest,
         "n_samples": len(samples),
         "n_images": n_images,
         "loss_tokens": int((labels != IGNORE_INDEX).sum()),

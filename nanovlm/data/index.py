@@ -28,13 +28,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+from zlib_ng.zlib_ng import crc32 as _crc32
 
 from nanovlm.data.tiling import ImageLayout, as_layout, per_sample
-
-try:
-    from zlib_ng.zlib_ng import crc32 as _crc32
-except ImportError:  # a platform without its wheel: zlib's, slower
-    from zlib import crc32 as _crc32
 
 INDEX_DIR = "index"
 META_FILE = "meta.json"
@@ -95,8 +91,8 @@ class ShardEntry:
 def crc32(data: bytes | memoryview, value: int = 0) -> int:
     """zlib's CRC-32 of ``data`` continuing from ``value``: enough to catch a damaged or half-fetched shard.
 
-    Taken from zlib-ng where it is installed (a dependency: the same checksum, an order of magnitude faster on
-    x86): prepare_data checks every byte of every shard, and a remote shard is checked when it is staged."""
+    Taken from zlib-ng (the same checksum as zlib's, an order of magnitude faster on x86): prepare_data checks
+    every byte of every shard, and a remote shard is checked when it is staged."""
     return _crc32(data, value)
 
 

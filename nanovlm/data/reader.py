@@ -1,6 +1,6 @@
 """Random access to one sample of a shard by its index byte range.
 
-The index records, per sample, the byte range of its tar members, so reading a sample is seek + one read +
+The index records, per sample, the byte range of its tar members, so reading a sample is one positioned read +
 parsing a few tar headers from memory (a direct ustar/pax header parser, with ``tarfile`` on a BytesIO for
 anything unusual: headers and raw bytes only; nothing is decoded here and nothing is ever unpickled). Shard files stay open per reader (one reader per DataLoader
 worker), so a pack of samples costs no ``open`` calls.
@@ -163,6 +163,18 @@ def parse_members(blob: bytes, key: str) -> dict[str, bytes]:
     return members
 
 
+def _pread(fd: int, n: int, offset: int) -> bytes:
+    """``n`` bytes at ``offset`` (fewer only at the end of the file): positioned reads, no seek and no buffer in
+    between; a local file answers in one, a network or FUSE mount may answer in parts."""
+    blob = os.pread(fd, n, offset)
+    while len(blob) < n:
+        more = os.pread(fd, n - len(blob), offset + len(blob))
+        if not more:
+            break
+        blob += more
+    return blob
+
+
 class ShardReader:
     """Reads samples by (shard path, offset, nbytes), keeping shard files open. A remote shard (a URL) is read
     from its staged copy in ``cache`` (``remote.ShardCache``)."""
@@ -184,7 +196,7 @@ class ShardReader:
         return f
 
     def read_members(self, path: str, offset: int, nbytes: int, key: str) -> dict[str, bytes]:
-        blob = os.pread(self._file(path).fileno(), nbytes, offset)  # one call: no seek, no buffer in between
+        blob = _pread(self._file(path).fileno(), nbytes, offset)
         if len(blob) != nbytes:
             raise SampleError("corrupt_member", key, f"{path}: short read at {offset} ({len(blob)} of {nbytes} bytes)")
         return parse_members(blob, key)

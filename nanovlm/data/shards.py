@@ -74,7 +74,7 @@ class SampleTable:
 
     Planning reads only the three length columns, derived for the run's model (``lengths``: a large table's are
     mapped from the node's cache, one copy for all its processes). Where a sample lives (shard, byte range, key)
-    is looked up in the memory-mapped indexes one sample at a time, when it is read or named.
+    is looked up in the memory-mapped indexes only when it is read (a pack at a time: ``locate_many``) or named.
     """
 
     length: np.ndarray  # int32 [N] total tokens (text + image tokens) for the run's model

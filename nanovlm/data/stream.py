@@ -178,9 +178,9 @@ class PackStream(IterableDataset):
             sample = s.processor.process(record, limit_arg, s.spec.overlength)
             n, want = int(sample.input_ids.numel()), ref.length
             if n != want and not (sample.truncated and n <= want):
+                where = t.dataset_names[t.dataset_of(ref.gid)]
                 raise DataMismatchError(
-                    f"sample {ref.key!r} of {t.dataset_names[t.dataset_of(ref.gid)]} has {n} tokens after processing but its "
-                    f"index says {want}: the index was made with another tokenizer or image token count, or an image's "
+                    f"sample {ref.key!r} of {where} has {n} tokens after processing but its index says {want}: the index was made with another tokenizer or image token count, or an image's "
                     "size changed since. Re-run scripts/prepare_data.py with this run's tokenizer and model config."
                 )
             return sample

@@ -46,3 +46,17 @@ def test_a_batch_is_one_storage_carved_into_disjoint_tensors():
     assert padded["input_ids"].tolist() == [[0, 1, 2], [0, 1, 9]]
     assert padded["position_ids"].tolist() == [[0, 1, 2], [0, 1, 0]]
     assert padded["attention_mask"].tolist() == [[1, 1, 1], [1, 1, 0]]
+
+
+def test_images_of_another_size_are_refused_not_left_unwritten():
+    """``cat`` into a view of the wrong shape would resize the view and leave the pack's pixel rows as they were
+    allocated (uninitialised): a sample whose images are not ``image_size`` is an error naming it."""
+    import pytest
+
+    from nanovlm.data.collate import collate_packed, collate_padded
+
+    odd = _Tokens(2)
+    odd.key, odd.pixel_values = "odd", torch.zeros(1, 3, 5, 5, dtype=torch.uint8)
+    for collate in (lambda s: collate_packed(s, 8, 0, 4), lambda s: collate_padded(s, 0, 4)):
+        with pytest.raises(ValueError, match="'odd' has images of shape"):
+            collate([_Tokens(3), odd])

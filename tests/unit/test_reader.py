@@ -138,3 +138,23 @@ def test_scan_bytes_matches_scan_tar_and_refuses_damage(tmp_path, make_dataset):
     truncate_mid_member(damaged, 5)
     assert scan_bytes(damaged.read_bytes()) is None
     assert scan_bytes(tar_bytes([("x.txt", b"1")]) + b"junk") is None  # bytes after the end blocks
+
+
+def test_a_read_answered_in_parts_is_read_whole(dataset, monkeypatch):
+    """A network or FUSE mount may answer a positioned read with fewer bytes than asked before the end of the file:
+    the reader asks again for the rest, rather than calling a whole sample short (a corrupt_member skip); at the
+    real end of the file a short range stays an error naming the short read."""
+    import os
+
+    from nanovlm.data import reader
+
+    index = load_index(dataset)
+    shard = index.shard(0)
+    path = str(index.shard_path(0))
+    want = ShardReader().read_members(path, shard.offsets[2], shard.nbytes[2], shard.keys[2])
+    pread = os.pread
+    monkeypatch.setattr(reader.os, "pread", lambda fd, n, off: pread(fd, min(n, 700), off))
+    assert ShardReader().read_members(path, shard.offsets[2], shard.nbytes[2], shard.keys[2]) == want
+    size = os.path.getsize(path)
+    with pytest.raises(SampleError, match="short read"):
+        ShardReader().read_members(path, size - 512, 1024, shard.keys[2])
