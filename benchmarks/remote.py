@@ -232,7 +232,7 @@ def measure(args: argparse.Namespace, log=print) -> dict[str, Any]:
     tokenizer = load_tokenizer(args.tokenizer or cfg.data.tokenizer, cfg.model.vision.image_splitting)
     cache = Path(args.workdir) / "remote_cache"
     rows, peer_rows = Rows(log), Rows(log)
-    peer = Peers.prepare(source, Path(args.workdir), cfg, tokenizer, index.num_samples, log)
+    peer = Peers.prepare(source, Path(args.workdir), cfg, tokenizer, index.num_samples, plan.reps, log)
 
     local_runs: list[dict[str, Any]] = []
     with s3_bucket({"bench": source, **peer.dirs}) as upstream:
@@ -281,15 +281,18 @@ class Peers:
     prepared: dict[str, dict[str, float]] = field(default_factory=dict)
     missing: list[str] = field(default_factory=list)
     workers: int = 2
+    reps: int = 1  # passes per row, as for ours
     local_runs: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
 
     @classmethod
-    def prepare(cls, source: Path, work: Path, cfg: Any, tokenizer: Any, expected: int, log: Callable) -> Peers:
+    def prepare(
+        cls, source: Path, work: Path, cfg: Any, tokenizer: Any, expected: int, reps: int, log: Callable
+    ) -> Peers:
         from benchmarks import peers
         from nanovlm.data.processing import SampleProcessor
 
         processor = SampleProcessor.from_config(tokenizer, cfg.model, cfg.data)
-        out = cls(work / "peers", processor, expected, workers=cfg.data.num_workers)
+        out = cls(work / "peers", processor, expected, workers=cfg.data.num_workers, reps=reps)
         for name, ok in peers.available().items():
             if not ok:
                 out.missing.append(name)
@@ -313,20 +316,24 @@ class Peers:
         return peers.litdata_epoch(path, self.processor, self.expected, self.workers, cache_dir, url)
 
     def passes(self, rows: Rows, latency: int, url: str, proxy: Proxy) -> None:
-        """Per peer: a local pass, then from S3 a cold pass (its cache emptied) and a warm one, each against the
-        local pass (*of local*); the local passes of every latency make the peer's local row (``summary``)."""
+        """Per peer, ``reps`` times as for ours: a local pass, then from S3 a cold pass (its cache emptied) and a
+        warm one, each against the local pass just before it (*of local*); the local passes of every latency make
+        the peer's local row (``summary``)."""
         for name, local_dir in self.dirs.items():
-            local = self.epoch(name, str(local_dir))
-            self.local_runs.setdefault(name, []).append(local | {"local": local["samples_per_s"]})
             cache = self.work / f"{name}_cache"
-            shutil.rmtree(cache, ignore_errors=True)
             remote = f"msc://{name}/ds" if name == "energon" else f"s3://{name}/ds"
-            for cold in (True, False):
+            cold, warm, sent = [], [], []
+            for _ in range(self.reps):
+                local = self.epoch(name, str(local_dir))
+                self.local_runs.setdefault(name, []).append(local | {"local": local["samples_per_s"]})
+                shutil.rmtree(cache, ignore_errors=True)
                 before = proxy.bytes_out
-                run = self.epoch(name, remote, cache, url) | {"local": local["samples_per_s"]}
-                sent = [proxy.bytes_out - before] if cold else []
-                rows.record(f"{name}: S3 +{latency} ms, {'cold' if cold else 'warm'}", latency, None, cold, [run], sent)
+                cold.append(self.epoch(name, remote, cache, url) | {"local": local["samples_per_s"]})
+                sent.append(proxy.bytes_out - before)
+                warm.append(self.epoch(name, remote, cache, url) | {"local": local["samples_per_s"]})
             shutil.rmtree(cache, ignore_errors=True)
+            rows.record(f"{name}: S3 +{latency} ms, cold", latency, None, True, cold, sent)
+            rows.record(f"{name}: S3 +{latency} ms, warm", latency, None, False, warm, [])
 
     def summary(self, rows: Rows) -> dict[str, Any]:
         for name, runs in self.local_runs.items():

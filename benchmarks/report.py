@@ -609,8 +609,9 @@ def render_peers(result: dict) -> str:
     md.append(
         "The same shards and per-sample work (members parsed, images decoded and resized, text tokenized, in the "
         "workers: `SampleProcessor.process`), each peer after its own preparation step, batches of 32 samples "
-        "collated in the workers; one pass per peer and row, each against that peer's local pass just before it "
-        "(*of local*; its local row: the median of those passes); ours: the medians above. megatron-energon reads "
+        f"collated in the workers; {result['plan']['reps']} passes per peer and row as for ours, each against that "
+        "peer's local pass just before it (medians; *of local*; its local row: the median of those passes). "
+        "megatron-energon reads "
         "S3 through multi-storage-client (its cache on for cold and warm), LitData through its own chunk cache. "
         "*bytes/epoch*: what the proxy sent in the cold epoch, against that loader's own dataset size."
     )
