@@ -310,12 +310,12 @@ class DatasetIndex:
 
 def decode_key(columns: dict[str, np.ndarray], i: int) -> str:
     """Key ``i`` of a ``keys`` / ``key_ends`` column pair (an index's, or one shard block's)."""
-    ends = columns["key_ends"]
-    return bytes(columns["keys"][(int(ends[i - 1]) if i > 0 else 0) : int(ends[i])]).decode()
+    return decode_keys(columns, np.array([i]))[0]
 
 
 def decode_keys(columns: dict[str, np.ndarray], rows: np.ndarray) -> list[str]:
-    """``decode_key`` of many rows: the column lookups are a few numpy calls, not several per key."""
+    """The keys of ``rows`` [n]: key ``i`` is ``keys[key_ends[i - 1]:key_ends[i]]`` (from 0 for the first), looked
+    up with a few numpy calls for all rows, not several per key."""
     ends = columns["key_ends"]
     hi = ends[rows]
     lo = np.where(rows > 0, ends[np.maximum(rows - 1, 0)], 0)

@@ -2,8 +2,8 @@
 
 The index records, per sample, the byte range of its tar members, so reading a sample is one positioned read +
 parsing a few tar headers from memory (a direct ustar/pax header parser, with ``tarfile`` on a BytesIO for
-anything unusual: headers and raw bytes only; nothing is decoded here and nothing is ever unpickled). Shard files stay open per reader (one reader per DataLoader
-worker), so a pack of samples costs no ``open`` calls.
+anything unusual: headers and raw bytes only; nothing is decoded here and nothing is ever unpickled). Shard files
+stay open per reader (one reader per DataLoader worker), so a pack of samples costs no ``open`` calls.
 """
 
 from __future__ import annotations

@@ -112,8 +112,8 @@ def _samples(path: str, seen: dict) -> Iterator[tuple[TarSample, dict]]:
 
     A well-formed shard up to ``IN_MEMORY_MAX`` is read once into a buffer this thread reuses and scanned in
     memory (its CRC-32 taken from those bytes into ``seen["crc"]``, not from a second read); its members are
-    views into that buffer (no copy of a shard's images), valid until the next shard. Anything else goes through ``scan_tar``, which raises
-    where the tar breaks after yielding the samples before it."""
+    views into that buffer (no copy of a shard's images), valid until the next shard. Anything else goes through
+    ``scan_tar``, which raises where the tar breaks after yielding the samples before it."""
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
         if size <= IN_MEMORY_MAX:

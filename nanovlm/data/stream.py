@@ -180,8 +180,9 @@ class PackStream(IterableDataset):
             if n != want and not (sample.truncated and n <= want):
                 where = t.dataset_names[t.dataset_of(ref.gid)]
                 raise DataMismatchError(
-                    f"sample {ref.key!r} of {where} has {n} tokens after processing but its index says {want}: the index was made with another tokenizer or image token count, or an image's "
-                    "size changed since. Re-run scripts/prepare_data.py with this run's tokenizer and model config."
+                    f"sample {ref.key!r} of {where} has {n} tokens after processing but its index says {want}: the "
+                    "index was made with another tokenizer or image token count, or an image's size changed since. "
+                    "Re-run scripts/prepare_data.py with this run's tokenizer and model config."
                 )
             return sample
 
