@@ -135,7 +135,7 @@ class ShardWriter:
             name = SHARD_PATTERN.format(len(self.shards))
             self._tmp = self.out_dir / f".{name}.tmp"
             self._writer = wds.TarWriter(
-                str(self._tmp), encoder=False, mtime=0.0, user="nanovlm", group="nanovlm", mode=0o644
+                str(self._tmp), encoder=False, mtime=0, user="nanovlm", group="nanovlm", mode=0o644
             )
         self._writer.write({"__key__": sample.key, **sample.members})
         self._pending.append(replace(sample, members={}))  # drop the bytes, keep the index fields

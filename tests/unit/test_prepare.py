@@ -128,6 +128,10 @@ def test_tar_metadata_is_fixed(tmp_path, make_dataset):
         infos = tf.getmembers()
     assert {(i.mtime, i.uid, i.gid, i.uname, i.gname) for i in infos} == {(0, 0, 0, "nanovlm", "nanovlm")}
     assert [i.name for i in infos[:3]] == ["s00000.json", "s00001.0.png", "s00001.json"]
+    # plain ustar: one 512-byte header before each member, no pax extension header (a float mtime adds one,
+    # 1 KB more per member, which doubles a shard of small members)
+    assert all(i.pax_headers == {} and i.offset_data == i.offset + 512 for i in infos)
+    assert all(b.offset == a.offset_data + -(-a.size // 512) * 512 for a, b in zip(infos, infos[1:]))
 
 
 def test_deterministic_bytes(tmp_path, make_dataset):
