@@ -1,12 +1,13 @@
 """The ``remote`` section: the DataModule reading a dataset from an S3 API server (moto's, on loopback) behind a
-proxy that adds a fixed latency to every request and caps the bandwidth, against the same shards on local disk.
+proxy that adds a fixed latency to every request and caps the bandwidth, against the same shards on local disk,
+beside the peers (benchmarks/peers.py) reading the same samples from the same server.
 
 Per row: samples/s over one epoch with ``workers`` DataLoader workers, with a cold cache (emptied before the
 pass) and a warm one (the pass after), prefetch on and off, and the bytes the proxy sent per epoch against the
-dataset's size. Each remote pass is compared with a local pass run just before it (the machine's speed drifts
-by 10-20% over minutes), and the ratios' median is reported. Each pass starts fresh DataLoader workers; the epoch's first batch is excluded from the timing in
-every row alike (worker start).
-"""
+dataset's size. The passes run in rounds (``Readers.round``): every reader from local disk, then cold, then warm,
+so each remote pass is compared with its own reader's local pass of the same round and with the other readers'
+passes of the same row seconds apart; this machine's speed drifts by 20-40% over minutes. Each pass starts fresh
+DataLoader workers; the epoch's first batch is excluded from the timing in every row alike (worker start)."""
 
 from __future__ import annotations
 
@@ -196,9 +197,9 @@ class Rows(list):
         super().__init__()
         self.log = log
 
-    def record(
-        self, name: str, latency: int | None, prefetch: bool | None, cold: bool | None, runs: list, sent: list
-    ) -> None:
+    def record(self, name: str, latency: int | None, prefetch: bool | None, cold: bool | None, runs: list) -> None:
+        """``runs``: that row's passes, in round order, each with its ``local`` rate (and ``sent`` bytes if cold)."""
+        sent = [r["sent"] for r in runs if "sent" in r]
         self.append(
             {
                 "name": name,
@@ -210,13 +211,68 @@ class Rows(list):
                 "first_batch_s": Stats.of([r["first_batch_s"] for r in runs]).to_dict(),
                 "main_cpu_s": Stats.of([r["main_cpu_s"] for r in runs]).to_dict(),
                 "bytes_per_epoch": (sum(sent) / len(sent)) if sent else None,
+                "runs": [r["samples_per_s"] for r in runs],
             }
         )
         self.log(f"[remote] {name}: {self[-1]['samples_per_s']['median']:.0f} samples/s")
 
 
+OURS, OURS_NO_PREFETCH = "ours", "ours, prefetch off"
+
+
+@dataclass
+class Readers:
+    """Every loader the section times: ours with prefetch on and off, and the peers that import here. Each reads
+    one epoch from local disk (``url`` None) or from the S3 server behind the proxy at ``url``."""
+
+    args: argparse.Namespace
+    cfg: Any
+    tokenizer: Any
+    workers: int
+    cache: Path
+    peer: Peers
+
+    def names(self) -> list[str]:
+        return [OURS, OURS_NO_PREFETCH, *self.peer.dirs]
+
+    def local_of(self, name: str) -> str:
+        return OURS if name == OURS_NO_PREFETCH else name
+
+    def epoch(self, name: str, url: str | None) -> dict[str, Any]:
+        if name not in (OURS, OURS_NO_PREFETCH):
+            if url is None:
+                return self.peer.epoch(name, str(self.peer.dirs[name]))
+            remote = f"msc://{name}/ds" if name == "energon" else f"s3://{name}/ds"
+            return self.peer.epoch(name, remote, self.cache_of(name), url)
+        if url is None:
+            return epoch_rate(self.cfg, self.tokenizer)
+        cfg = data_config(self.args, self.workers)
+        cfg.data.train = ["s3://bench/ds"]  # the endpoint: fsspec's s3 config, set per proxy in ``measure``
+        cfg.data.cache_dir = str(self.cache_of(name))
+        cfg.data.prefetch_shards = 2 if name == OURS else 0
+        return epoch_rate(cfg, self.tokenizer)
+
+    def cache_of(self, name: str) -> Path:
+        return self.cache / name.replace(", ", "_").replace(" ", "_")
+
+    def round(self, runs: dict, latency: int, url: str, proxy: Proxy) -> None:
+        """One pass of every reader from local disk, then a cold one of each (its cache emptied first), then a warm
+        one of each: the passes of one row lie seconds apart, so the ratios between readers (and to their own local
+        pass) are not swamped by the machine's drift over minutes."""
+        local = {n: self.epoch(n, None) for n in dict.fromkeys(map(self.local_of, self.names()))}
+        for n, r in local.items():
+            runs.setdefault((n, None, None), []).append(r | {"local": r["samples_per_s"]})
+        for cold in (True, False):
+            for n in self.names():
+                if cold:
+                    shutil.rmtree(self.cache_of(n), ignore_errors=True)
+                before = proxy.bytes_out
+                r = self.epoch(n, url) | {"local": local[self.local_of(n)]["samples_per_s"]}
+                runs.setdefault((n, latency, cold), []).append(r | ({"sent": proxy.bytes_out - before} if cold else {}))
+
+
 def measure(args: argparse.Namespace, log=print) -> dict[str, Any]:
-    """Local vs remote rows (see the module docstring), then the peers'; the JSON part of the section."""
+    """Rounds of every reader (``Readers.round``) at each latency; the JSON part of the section."""
     import fsspec
 
     from nanovlm.data.index import load_index
@@ -230,44 +286,38 @@ def measure(args: argparse.Namespace, log=print) -> dict[str, Any]:
     source = Path(cfg.data.train[0])
     index = load_index(source)
     tokenizer = load_tokenizer(args.tokenizer or cfg.data.tokenizer, cfg.model.vision.image_splitting)
-    cache = Path(args.workdir) / "remote_cache"
-    rows, peer_rows = Rows(log), Rows(log)
-    peer = Peers.prepare(source, Path(args.workdir), cfg, tokenizer, index.num_samples, plan.reps, log)
-
-    local_runs: list[dict[str, Any]] = []
+    peer = Peers.prepare(source, Path(args.workdir), cfg, tokenizer, index.num_samples, log)
+    readers = Readers(args, cfg, tokenizer, plan.workers, Path(args.workdir) / "remote_cache", peer)
+    runs: dict[tuple, list[dict[str, Any]]] = {}
     with s3_bucket({"bench": source, **peer.dirs}) as upstream:
         for latency in plan.latencies_ms:
             with slow_proxy(upstream, latency, plan.bandwidth_mb_s) as (url, proxy):
                 fsspec.config.conf["s3"] = {"endpoint_url": url}  # a new client (another cache key) per proxy
-                for prefetch in (True, False):
-                    cold, warm, sent = [], [], []
-                    for _ in range(plan.reps):  # local, cold, warm in turn: each ratio against its own local pass
-                        local = epoch_rate(cfg, tokenizer)
-                        local_runs.append(local)
-                        shutil.rmtree(cache, ignore_errors=True)
-                        remote_cfg = data_config(args, plan.workers)
-                        remote_cfg.data.train = ["s3://bench/ds"]
-                        remote_cfg.data.cache_dir = str(cache)
-                        remote_cfg.data.prefetch_shards = 2 if prefetch else 0
-                        before = proxy.bytes_out
-                        cold.append(epoch_rate(remote_cfg, tokenizer) | {"local": local["samples_per_s"]})
-                        sent.append(proxy.bytes_out - before)
-                        warm.append(epoch_rate(remote_cfg, tokenizer) | {"local": local["samples_per_s"]})
-                    rows.record(f"S3 +{latency} ms, cold", latency, prefetch, True, cold, sent)
-                    rows.record(f"S3 +{latency} ms, warm", latency, prefetch, False, warm, [])
-                peer.passes(peer_rows, latency, url, proxy)
-    rows.record("local disk", None, None, None, [r | {"local": r["samples_per_s"]} for r in local_runs], [])
+                for _ in range(plan.reps):
+                    readers.round(runs, latency, url, proxy)
+                log(f"[remote] +{latency} ms: {plan.reps} rounds")
     fsspec.config.conf.pop("s3", None)
-    shutil.rmtree(cache, ignore_errors=True)
+    shutil.rmtree(readers.cache, ignore_errors=True)
+    rows, peer_rows = Rows(log), Rows(log)
+    for (name, latency, cold), row_runs in runs.items():
+        where = "local disk" if latency is None else f"S3 +{latency} ms, {'cold' if cold else 'warm'}"
+        if name in (OURS, OURS_NO_PREFETCH):
+            rows.record(where, latency, None if latency is None else name == OURS, cold, row_runs)
+        else:
+            peer_rows.record(f"{name}: {where}", latency, None, cold, row_runs)
     return {
         "plan": {**plan.__dict__, "latencies_ms": list(plan.latencies_ms)},
         "data": str(source),
         "dataset_bytes": sum(s.size_bytes for s in index.shards),
         "shards": len(index.shards),
         "samples": index.num_samples,
-        "rows": rows,
-        "peers": peer.summary(peer_rows),
+        "rows": _local_last(rows),
+        "peers": {"prepared": peer.prepared, "missing": peer.missing, "rows": _local_last(peer_rows)},
     }
+
+
+def _local_last(rows: Rows) -> list[dict[str, Any]]:
+    return [r for r in rows if r["latency_ms"] is not None] + [r for r in rows if r["latency_ms"] is None]
 
 
 @dataclass
@@ -281,18 +331,14 @@ class Peers:
     prepared: dict[str, dict[str, float]] = field(default_factory=dict)
     missing: list[str] = field(default_factory=list)
     workers: int = 2
-    reps: int = 1  # passes per row, as for ours
-    local_runs: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
 
     @classmethod
-    def prepare(
-        cls, source: Path, work: Path, cfg: Any, tokenizer: Any, expected: int, reps: int, log: Callable
-    ) -> Peers:
+    def prepare(cls, source: Path, work: Path, cfg: Any, tokenizer: Any, expected: int, log: Callable) -> Peers:
         from benchmarks import peers
         from nanovlm.data.processing import SampleProcessor
 
         processor = SampleProcessor.from_config(tokenizer, cfg.model, cfg.data)
-        out = cls(work / "peers", processor, expected, workers=cfg.data.num_workers, reps=reps)
+        out = cls(work / "peers", processor, expected, workers=cfg.data.num_workers)
         for name, ok in peers.available().items():
             if not ok:
                 out.missing.append(name)
@@ -314,28 +360,3 @@ class Peers:
             msc = {"config": self.work / "msc.yaml", "endpoint_url": url, "cache_dir": cache_dir} if url else None
             return peers.energon_epoch(path, self.processor, self.expected, self.workers, msc=msc)
         return peers.litdata_epoch(path, self.processor, self.expected, self.workers, cache_dir, url)
-
-    def passes(self, rows: Rows, latency: int, url: str, proxy: Proxy) -> None:
-        """Per peer, ``reps`` times as for ours: a local pass, then from S3 a cold pass (its cache emptied) and a
-        warm one, each against the local pass just before it (*of local*); the local passes of every latency make
-        the peer's local row (``summary``)."""
-        for name, local_dir in self.dirs.items():
-            cache = self.work / f"{name}_cache"
-            remote = f"msc://{name}/ds" if name == "energon" else f"s3://{name}/ds"
-            cold, warm, sent = [], [], []
-            for _ in range(self.reps):
-                local = self.epoch(name, str(local_dir))
-                self.local_runs.setdefault(name, []).append(local | {"local": local["samples_per_s"]})
-                shutil.rmtree(cache, ignore_errors=True)
-                before = proxy.bytes_out
-                cold.append(self.epoch(name, remote, cache, url) | {"local": local["samples_per_s"]})
-                sent.append(proxy.bytes_out - before)
-                warm.append(self.epoch(name, remote, cache, url) | {"local": local["samples_per_s"]})
-            shutil.rmtree(cache, ignore_errors=True)
-            rows.record(f"{name}: S3 +{latency} ms, cold", latency, None, True, cold, sent)
-            rows.record(f"{name}: S3 +{latency} ms, warm", latency, None, False, warm, [])
-
-    def summary(self, rows: Rows) -> dict[str, Any]:
-        for name, runs in self.local_runs.items():
-            rows.record(f"{name}: local disk", None, None, None, runs, [])
-        return {"prepared": self.prepared, "missing": self.missing, "rows": list(rows)}

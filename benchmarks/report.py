@@ -564,9 +564,9 @@ def render_remote(result: dict) -> str:
         f"{result['samples']} samples in {result['shards']} shards ({result['dataset_bytes'] / 1e6:.1f} MB) from "
         f"{result['data']}, read by the DataModule with {plan['workers']} workers: from local disk, and from moto's "
         f"S3 server behind a proxy adding the latency to every request with {plan['bandwidth_mb_s']:.0f} MB/s "
-        "shared. Cold: cache emptied before the epoch; warm: the epoch after. One epoch per pass, "
-        f"{plan['reps']} passes, first batch excluded; *of local*: each pass against a local pass run just before "
-        "it (median [min-max]); *server CPU s*: CPU time of the benchmark's own process in the epoch, where the S3 "
+        "shared. Cold: cache emptied before the epoch; warm: the epoch after. One epoch per pass, first batch "
+        f"excluded, in {plan['reps']} rounds (every loader local, then cold, then warm); *of local*: each pass "
+        "against the local pass of its round (median [min-max]); *server CPU s*: CPU time of the benchmark's own process in the epoch, where the S3 "
         "server and the proxy run beside the loader's main side (on the same cores as the workers); *bytes/epoch* "
         "counts what the proxy sent (index included)."
     )
@@ -609,30 +609,34 @@ def render_peers(result: dict) -> str:
     md.append(
         "The same shards and per-sample work (members parsed, images decoded and resized, text tokenized, in the "
         "workers: `SampleProcessor.process`), each peer after its own preparation step, batches of 32 samples "
-        f"collated in the workers; {result['plan']['reps']} passes per peer and row as for ours, each against that "
-        "peer's local pass just before it (medians; *of local*; its local row: the median of those passes). "
-        "megatron-energon reads "
-        "S3 through multi-storage-client (its cache on for cold and warm), LitData through its own chunk cache. "
-        "*bytes/epoch*: what the proxy sent in the cold epoch, against that loader's own dataset size."
+        f"collated in the workers; {result['plan']['reps']} rounds, as for ours (medians; *of local*: against "
+        "that loader's local pass of the same round). megatron-energon reads S3 through multi-storage-client (its "
+        "cache on for cold and warm), LitData through its own chunk cache. *bytes/epoch*: what the proxy sent in "
+        "the cold epoch, against that loader's own dataset size. *ours / peer*: our pass over the peer's pass of "
+        "the same row and round, seconds apart (median [min-max] over the rounds)."
     )
     md.append("")
     ours = {r["name"]: r for r in result["rows"] if r["prefetch"] in (True, None)}
     theirs = {r["name"]: r for r in peers["rows"]}
-    rows = [["preparation", "(prepare_data: the index)"] + [f"{peers['prepared'][n]['seconds']:.1f} s, "
-            f"{peers['prepared'][n]['bytes'] / 1e6:.0f} MB" for n in names]]  # fmt: skip
+    prep = {n: f"{peers['prepared'][n]['seconds']:.1f} s, {peers['prepared'][n]['bytes'] / 1e6:.0f} MB" for n in names}
+    rows = [["preparation", "(prepare_data: the index)", *(c for n in names for c in (prep[n], ""))]]
 
     def cell(r: dict, size: float) -> str:
         sent = r["bytes_per_epoch"]
         text = f"{r['samples_per_s']['median']:.0f} ({r['of_local']['median'] * 100:.0f}%"
         return text + ("" if sent is None else f", {sent / size:.2f}x") + ")"
 
+    def paired(mine: dict, theirs: dict) -> str:
+        return Stats.of([a / b for a, b in zip(mine["runs"], theirs["runs"], strict=True)]).fmt(2)
+
     for name in ours:
         cells = [name, cell(ours[name], result["dataset_bytes"])]
         for n in names:
             r = theirs.get(f"{n}: {name}")
-            cells.append("" if r is None else cell(r, peers["prepared"][n]["bytes"]))
+            cells += ["", ""] if r is None else [cell(r, peers["prepared"][n]["bytes"]), paired(ours[name], r)]
         rows.append(cells)
-    md.append(markdown_table(["source", *(f"{n}, samples/s (of local, bytes/epoch)" for n in ["ours", *names])], rows))
+    heads = [h for n in names for h in (f"{n}, samples/s (of local, bytes/epoch)", f"ours / {n}")]
+    md.append(markdown_table(["source", "ours, samples/s (of local, bytes/epoch)", *heads], rows))
     return "\n".join(md)
 
 

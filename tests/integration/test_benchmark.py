@@ -275,6 +275,33 @@ def test_remote_section_reads_from_s3_behind_a_slow_proxy(tmp_path, make_dataset
             assert 1.0 <= row["bytes_per_epoch"] / doc["dataset_bytes"] <= 1.1
 
 
+def test_peer_table_pairs_passes_of_the_same_round():
+    """*ours / peer* divides each round's passes pairwise (not the medians), and every row keeps its runs."""
+    from benchmarks.remote import Rows
+    from benchmarks.report import render_peers
+
+    def run(rate: float, local: float, sent: int | None = None) -> dict:
+        r = {"samples_per_s": rate, "local": local, "first_batch_s": 0.1, "main_cpu_s": 0.5}
+        return r if sent is None else r | {"sent": sent}
+
+    ours, theirs = Rows(lambda _: None), Rows(lambda _: None)
+    ours.record("S3 +20 ms, cold", 20, True, True, [run(90, 100, 10), run(300, 300, 10), run(150, 200, 10)])
+    ours.record("local disk", None, None, None, [run(100, 100), run(300, 300), run(200, 200)])
+    theirs.record("litdata: S3 +20 ms, cold", 20, None, True, [run(60, 50, 8), run(200, 400, 8), run(300, 300, 8)])
+    theirs.record("litdata: local disk", None, None, None, [run(50, 50), run(400, 400), run(300, 300)])
+    result = {
+        "dataset_bytes": 10,
+        "plan": {"reps": 3},
+        "rows": list(ours),
+        "peers": {"prepared": {"litdata": {"seconds": 1.0, "bytes": 8}}, "missing": [], "rows": list(theirs)},
+    }
+    lines = {line.split(" | ")[0]: line for line in render_peers(result).splitlines() if line.startswith("| ")}
+    # ratios 1.5, 1.5, 0.5 -> median 1.5; medians alone would give 150 / 200 = 0.75
+    assert lines["| S3 +20 ms, cold"].endswith("| 200 (100%, 1.00x) | 1.50 [0.50-1.50] |")
+    assert lines["| local disk"].endswith("| 300 (100%) | 0.75 [0.67-2.00] |")
+    assert lines["| S3 +20 ms, cold"].startswith("| S3 +20 ms, cold | 150 (90%, 1.00x) |")
+
+
 def test_the_peers_read_every_sample_once(tmp_path, make_dataset, tiny_tokenizer):
     """Where megatron-energon and LitData are installed (``benchmarks.peers.PEERS_INSTALL``): each, after its own
     preparation step, reads every sample of the shards exactly once per epoch, with our per-sample work done on
