@@ -173,11 +173,15 @@ def epoch_rate(cfg, tokenizer) -> dict[str, Any]:
     n_batches = dm.current_split().batches_per_rank()
     it = iter(dm.train_dataloader())
     t_first, cpu0 = time.perf_counter(), time.process_time()
-    next(it)
+    remote = {}  # worker slot -> its remote counters so far (the batches carry them)
+    meta = next(it)["meta"]
     t0 = time.perf_counter()
     samples = 0
     for _ in range(n_batches - 1):
-        samples += next(it)["meta"]["n_samples"]
+        remote[meta.get("worker_slot", 0)] = meta.get("remote") or {}
+        meta = next(it)["meta"]
+        samples += meta["n_samples"]
+    remote[meta.get("worker_slot", 0)] = meta.get("remote") or {}
     dt = time.perf_counter() - t0
     cpu = time.process_time() - cpu0  # this process: the loader's main side, plus the S3 server and proxy threads
     del it
@@ -187,6 +191,7 @@ def epoch_rate(cfg, tokenizer) -> dict[str, Any]:
         "first_batch_s": t0 - t_first,
         "samples_per_s": samples / dt,
         "main_cpu_s": cpu,
+        "wait_s": sum(c.get("wait_ms", 0) for c in remote.values()) / 1e3,  # the workers', first batch included
     }
 
 
@@ -210,6 +215,7 @@ class Rows(list):
                 "of_local": Stats.of([r["samples_per_s"] / r["local"] for r in runs]).to_dict(),
                 "first_batch_s": Stats.of([r["first_batch_s"] for r in runs]).to_dict(),
                 "main_cpu_s": Stats.of([r["main_cpu_s"] for r in runs]).to_dict(),
+                "wait_s": Stats.of([r.get("wait_s", 0.0) for r in runs]).to_dict(),
                 "bytes_per_epoch": (sum(sent) / len(sent)) if sent else None,
                 "runs": [r["samples_per_s"] for r in runs],
             }

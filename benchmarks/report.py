@@ -567,8 +567,9 @@ def render_remote(result: dict) -> str:
         "shared. Cold: cache emptied before the epoch; warm: the epoch after. One epoch per pass, first batch "
         f"excluded, in {plan['reps']} rounds (every loader local, then cold, then warm); *of local*: each pass "
         "against the local pass of its round (median [min-max]); *server CPU s*: CPU time of the benchmark's own process in the epoch, where the S3 "
-        "server and the proxy run beside the loader's main side (on the same cores as the workers); *bytes/epoch* "
-        "counts what the proxy sent (index included)."
+        "server and the proxy run beside the loader's main side (on the same cores as the workers); *wait s*: "
+        "what the workers spent opening shards, summed (fetching one, or waiting on its prefetch; the first batch's "
+        "included); *bytes/epoch* counts what the proxy sent (index included)."
     )
     md.append("")
     rows = []
@@ -583,12 +584,22 @@ def render_remote(result: dict) -> str:
                 f"{Stats(**r['of_local']).fmt(1, 100)}%",
                 f"{r['first_batch_s']['median']:.2f}",
                 f"{r['main_cpu_s']['median']:.1f}",
+                "" if r["latency_ms"] is None else f"{r['wait_s']['median']:.2f}",
                 "" if sent is None else f"{sent / result['dataset_bytes']:.3f}",
             ]
         )
     md.append(
         markdown_table(
-            ["source", "prefetch", "samples/s", "of local", "first batch s", "server CPU s", "bytes/epoch / dataset"],
+            [
+                "source",
+                "prefetch",
+                "samples/s",
+                "of local",
+                "first batch s",
+                "server CPU s",
+                "wait s",
+                "bytes/epoch / dataset",
+            ],
             rows,
         )
     )

@@ -108,13 +108,16 @@ class RetryPolicy:
 
 @dataclass
 class RemoteCounters:
-    """What remote reading did (per process): requests retried, shards fetched, bytes fetched, cache hits."""
+    """What remote reading did (per process): requests retried, shards fetched, bytes fetched, cache hits, and
+    ``wait_ms``: how long readers waited to open shards, fetching them or waiting on their prefetch (an open of a
+    staged copy costs microseconds), which says whether prefetch hides the store's latency."""
 
     retries: int = 0
     fetched: int = 0
     fetched_bytes: int = 0
     hits: int = 0
     refetched: int = 0  # staged copies that failed their check and were fetched again
+    wait_ms: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def add(self, **kw: int) -> None:
@@ -124,7 +127,7 @@ class RemoteCounters:
 
     def snapshot(self) -> dict[str, int]:
         with self.lock:
-            return {k: getattr(self, k) for k in ("retries", "fetched", "fetched_bytes", "hits", "refetched")}
+            return {k: getattr(self, k) for k in ("retries", "fetched", "fetched_bytes", "hits", "refetched", "wait_ms")}
 
 
 def _gone(e: BaseException) -> bool:
@@ -331,6 +334,7 @@ class ShardCache:
 
     def open(self, url: str) -> BinaryIO:
         """The staged copy of ``url``, open for reading (fetched and checked first when it is not staged)."""
+        t0 = time.perf_counter()
         for _ in range(3):
             path = self.local(url)
             try:
@@ -338,6 +342,7 @@ class ShardCache:
             except FileNotFoundError:  # evicted by another process between staging and opening: stage again
                 continue
             if os.fstat(f.fileno()).st_size == self.shards[url].size:
+                self.counters.add(wait_ms=round((time.perf_counter() - t0) * 1000))
                 return f
             f.close()
         raise RemoteError(f"{redact(url)}: its staged copy in {self.dir} keeps disappearing (is the cache too small?)")

@@ -238,12 +238,12 @@ class Telemetry(pl.Callback):
         dt = dm.telemetry() if dm is not None and hasattr(dm, "telemetry") else {}
         skipped = float(sum((dt.get("skips_by_reason") or {}).values()))  # this rank's; summed with the rest
         remote = dt.get("remote") or {}  # remote datasets: this rank's workers' retries and fetches since the start
-        values = [self.acc[k] for k in self.KEYS] + [skipped, remote.get("retries", 0), remote.get("fetched_bytes", 0)]
+        values = [self.acc[k] for k in self.KEYS] + [skipped] + [remote.get(k, 0) for k in REMOTE_KEYS]
         values += [dt.get(k, 0) for k in DECODE_KEYS]  # data.image_decode=device: since the last call
         totals = torch.tensor(values, dtype=torch.float64, device=pl_module.device)
         all_reduce_sum(totals)
         _, world = rank_world()
-        *summed, skipped, retries, fetched, fallbacks, failures = totals.tolist()
+        *summed, skipped, retries, fetched, wait_ms, fallbacks, failures = totals.tolist()
         t = dict(zip(self.KEYS, summed))
         optimizer = trainer.optimizers[0]
         lang_group = next((g for g in optimizer.param_groups if g["name"].startswith("language")), None)
@@ -276,6 +276,7 @@ class Telemetry(pl.Callback):
             if remote:
                 metrics["train/remote_retries"] = retries
                 metrics["train/remote_fetched_gb"] = fetched / 1e9
+                metrics["train/remote_wait_s"] = wait_ms / 1e3  # all ranks' workers: opening shards not yet staged
             if DECODE_KEYS[0] in dt:
                 metrics["train/device_decode_fallbacks"], metrics["train/device_decode_failures"] = fallbacks, failures
         if trainer.is_global_zero:
@@ -300,6 +301,7 @@ class Telemetry(pl.Callback):
 
 
 DECODE_KEYS = ("device_decode_fallbacks", "device_decode_failures")  # DataModule.telemetry, with device decode
+REMOTE_KEYS = ("retries", "fetched_bytes", "wait_ms")  # of telemetry()["remote"], with URL datasets
 
 
 def format_line(step: int, max_steps: int, m: dict[str, float]) -> str:

@@ -273,6 +273,8 @@ def test_remote_section_reads_from_s3_behind_a_slow_proxy(tmp_path, make_dataset
         assert row["samples_per_s"]["median"] > 0 and row["of_local"]["median"] > 0
         if key[2]:  # cold: every shard fetched once, plus the index
             assert 1.0 <= row["bytes_per_epoch"] / doc["dataset_bytes"] <= 1.1
+    # without prefetch the workers wait for every shard's fetch themselves: at least the proxy's 20 ms each
+    assert rows[(20, False, True)]["wait_s"]["min"] >= 0.02 * doc["shards"]
 
 
 def test_peer_table_pairs_passes_of_the_same_round():

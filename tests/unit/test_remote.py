@@ -17,6 +17,7 @@ from helpers.servers import FaultPlan, gcs_server, http_server, s3_server, uploa
 from nanovlm.data.datamodule import PackedMultimodalDataModule
 from nanovlm.data.index import DatasetIndexError, load_index
 from nanovlm.data.remote import (
+    Prefetcher,
     RemoteCounters,
     RemoteError,
     RemoteGoneError,
@@ -279,6 +280,27 @@ def test_staged_shards_are_checked_shared_and_evicted(data, tmp_path):
         with pytest.raises(RemoteError, match=r"still failing .*the index says"):
             bad.local(urls[1])
         assert not list((tmp_path / "d").glob("*.tar")) and not list((tmp_path / "d").glob(".*part"))
+
+
+def test_wait_counts_the_fetches_readers_wait_for_and_not_the_prefetched(data, tmp_path):
+    """``wait_ms``: a reader opening a shard that is not staged waits for its fetch (here 0.3 s of latency per
+    request); one the prefetcher staged beforehand opens at once."""
+    index = load_index(data / "a")
+    with http_server(data, FaultPlan(rate=1.0, kinds=("delay",), delay_s=0.3)) as (url, _, _):
+        shards = {f"{url}/a/{s.name}": ShardInfo(s.size_bytes, s.crc32) for s in index.shards}
+        urls = list(shards)
+        cache = ShardCache(tmp_path / "c", 10 * max(i.size for i in shards.values()), shards, FAST)
+        cache.open(urls[0]).close()
+        assert cache.counters.wait_ms >= 300 and cache.counters.snapshot()["wait_ms"] == cache.counters.wait_ms
+        waited = cache.counters.wait_ms
+        prefetch = Prefetcher(cache, ahead=1)
+        prefetch.upcoming(urls[1:3])
+        for f in list(prefetch._pending.values()):
+            f.result(timeout=30)
+        prefetch.close()
+        cache.open(urls[1]).close()
+        cache.open(urls[2]).close()
+        assert cache.counters.wait_ms - waited < 100 and cache.counters.fetched == 3
 
 
 def _reader_process(cache: ShardCache, urls: list[str], seed: int, out) -> None:
