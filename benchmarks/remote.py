@@ -34,7 +34,7 @@ class RemotePlan:
     latencies_ms: tuple[int, ...] = (0, 20, 100)
     bandwidth_mb_s: float = 200.0  # shared by all requests in flight
     workers: int = 2
-    reps: int = 3
+    reps: int = 5  # rounds per latency
 
     @classmethod
     def quick(cls) -> RemotePlan:
@@ -261,15 +261,17 @@ class Readers:
     def cache_of(self, name: str) -> Path:
         return self.cache / name.replace(", ", "_").replace(" ", "_")
 
-    def round(self, runs: dict, latency: int, url: str, proxy: Proxy) -> None:
+    def round(self, runs: dict, latency: int, url: str, proxy: Proxy, flip: bool) -> None:
         """One pass of every reader from local disk, then a cold one of each (its cache emptied first), then a warm
         one of each: the passes of one row lie seconds apart, so the ratios between readers (and to their own local
-        pass) are not swamped by the machine's drift over minutes."""
-        local = {n: self.epoch(n, None) for n in dict.fromkeys(map(self.local_of, self.names()))}
+        pass) are not swamped by the machine's drift over minutes. ``flip`` reverses the readers' order (every other
+        round), so none always goes first."""
+        names = self.names()[::-1] if flip else self.names()
+        local = {n: self.epoch(n, None) for n in dict.fromkeys(map(self.local_of, names))}
         for n, r in local.items():
             runs.setdefault((n, None, None), []).append(r | {"local": r["samples_per_s"]})
         for cold in (True, False):
-            for n in self.names():
+            for n in names:
                 if cold:
                     shutil.rmtree(self.cache_of(n), ignore_errors=True)
                 before = proxy.bytes_out
@@ -285,7 +287,7 @@ def measure(args: argparse.Namespace, log=print) -> dict[str, Any]:
     from nanovlm.data.tokenizer import load_tokenizer
 
     plan = RemotePlan.quick() if args.quick else RemotePlan()
-    plan.reps = min(plan.reps, args.reps)
+    plan.reps = min(plan.reps, args.reps)  # --reps lowers it
     cfg = data_config(args, plan.workers)
     if not args.data:
         demo_dirs(cfg)
@@ -299,8 +301,8 @@ def measure(args: argparse.Namespace, log=print) -> dict[str, Any]:
         for latency in plan.latencies_ms:
             with slow_proxy(upstream, latency, plan.bandwidth_mb_s) as (url, proxy):
                 fsspec.config.conf["s3"] = {"endpoint_url": url}  # a new client (another cache key) per proxy
-                for _ in range(plan.reps):
-                    readers.round(runs, latency, url, proxy)
+                for i in range(plan.reps):
+                    readers.round(runs, latency, url, proxy, flip=i % 2 == 1)
                 log(f"[remote] +{latency} ms: {plan.reps} rounds")
     fsspec.config.conf.pop("s3", None)
     shutil.rmtree(readers.cache, ignore_errors=True)
