@@ -136,10 +136,12 @@ def slow_proxy(upstream: tuple[str, int], latency_ms: float, bandwidth_mb_s: flo
 @contextlib.contextmanager
 def s3_bucket(sources: dict[str, Path]):
     """moto's S3 server with each ``sources`` directory uploaded to s3://BUCKET/ds; yields (host, port)."""
+    import logging
     import os
 
     from moto.server import ThreadedMotoServer
 
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # its server logs every request otherwise
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
     host, port = server.get_host_and_port()
@@ -173,16 +175,11 @@ def epoch_rate(cfg, tokenizer) -> dict[str, Any]:
     n_batches = dm.current_split().batches_per_rank()
     it = iter(dm.train_dataloader())
     t_first, cpu0 = time.perf_counter(), time.process_time()
-    remote = {}  # worker slot -> its remote counters so far (the batches carry them)
-    meta = next(it)["meta"]
+    metas = [next(it)["meta"]]
     t0 = time.perf_counter()
-    samples = 0
-    for _ in range(n_batches - 1):
-        remote[meta.get("worker_slot", 0)] = meta.get("remote") or {}
-        meta = next(it)["meta"]
-        samples += meta["n_samples"]
-    remote[meta.get("worker_slot", 0)] = meta.get("remote") or {}
+    metas += [next(it)["meta"] for _ in range(n_batches - 1)]
     dt = time.perf_counter() - t0
+    samples = sum(m["n_samples"] for m in metas[1:])
     cpu = time.process_time() - cpu0  # this process: the loader's main side, plus the S3 server and proxy threads
     del it
     return {
@@ -191,8 +188,18 @@ def epoch_rate(cfg, tokenizer) -> dict[str, Any]:
         "first_batch_s": t0 - t_first,
         "samples_per_s": samples / dt,
         "main_cpu_s": cpu,
-        "wait_s": sum(c.get("wait_ms", 0) for c in remote.values()) / 1e3,  # the workers', first batch included
+        "wait_s": _wait_after_first_batch(metas),
     }
+
+
+def _wait_after_first_batch(metas: list[dict]) -> float:
+    """Seconds the workers waited to open shards after each one's first batch (the batches carry each worker's
+    ``wait_ms`` so far): the wait prefetch did not hide in the timed part of the epoch."""
+    waited: dict[int, list[int]] = {}  # worker slot -> its wait_ms at its first batch, at its last
+    for meta in metas:
+        ms = (meta.get("remote") or {}).get("wait_ms", 0)
+        waited.setdefault(meta.get("worker_slot", 0), [ms, ms])[1] = ms
+    return sum(last - first for first, last in waited.values()) / 1e3
 
 
 class Rows(list):

@@ -568,8 +568,8 @@ def render_remote(result: dict) -> str:
         f"excluded, in {plan['reps']} rounds (every loader local, then cold, then warm); *of local*: each pass "
         "against the local pass of its round (median [min-max]); *server CPU s*: CPU time of the benchmark's own process in the epoch, where the S3 "
         "server and the proxy run beside the loader's main side (on the same cores as the workers); *wait s*: "
-        "what the workers spent opening shards, summed (fetching one, or waiting on its prefetch; the first batch's "
-        "included); *bytes/epoch* counts what the proxy sent (index included)."
+        "what the workers spent opening shards after each one's first batch, summed (fetching one, or waiting on "
+        "its prefetch); *bytes/epoch* counts what the proxy sent (index included)."
     )
     md.append("")
     rows = []
