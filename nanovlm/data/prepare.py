@@ -5,7 +5,8 @@ every index's token lengths come from ``SampleProcessor.token_counts`` and every
 
 * one WebDataset key per sample: ``0.jpg``, ``1.png``, ... (the real format of the bytes, sniffed) + ``json``;
 * deterministic tar metadata (mtime 0, uid/gid 0, fixed user/group names and mode), samples in input order,
-  so the same input gives byte-identical shards;
+  so the same input gives byte-identical shards; the mtime is an int because tarfile writes a float one as a pax
+  extension header, 1 KB more per member;
 * each shard is written to a hidden temp name and renamed when complete: a crash never leaves a half-written
   file that looks like a shard. The index is written last, also atomically.
 
