@@ -36,7 +36,7 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO, TypeVar
+from typing import Any, BinaryIO, ClassVar, TypeVar
 
 from nanovlm.data.index import crc32_file
 from nanovlm.dist import file_lock
@@ -118,6 +118,7 @@ class RemoteCounters:
     hits: int = 0
     refetched: int = 0  # staged copies that failed their check and were fetched again
     wait_ms: int = 0
+    FIELDS: ClassVar[tuple[str, ...]] = ("retries", "fetched", "fetched_bytes", "hits", "refetched", "wait_ms")
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def add(self, **kw: int) -> None:
@@ -127,7 +128,7 @@ class RemoteCounters:
 
     def snapshot(self) -> dict[str, int]:
         with self.lock:
-            return {k: getattr(self, k) for k in ("retries", "fetched", "fetched_bytes", "hits", "refetched", "wait_ms")}
+            return {k: getattr(self, k) for k in self.FIELDS}
 
 
 def _gone(e: BaseException) -> bool:
