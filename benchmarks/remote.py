@@ -4,9 +4,10 @@ beside the peers (benchmarks/peers.py) reading the same samples from the same se
 
 Per row: samples/s over one epoch with ``workers`` DataLoader workers, with a cold cache (emptied before the
 pass) and a warm one (the pass after), prefetch on and off, and the bytes the proxy sent per epoch against the
-dataset's size. The passes run in rounds (``Readers.round``): every reader from local disk, then cold, then warm,
+dataset's size. The passes run in rounds (``Readers.run_round``): every reader from local disk, then cold, then warm,
 so each remote pass is compared with its own reader's local pass of the same round and with the other readers'
-passes of the same row seconds apart; this machine's speed drifts by 20-40% over minutes. Each pass starts fresh
+passes of the same row seconds apart; this machine's speed moves by up to a third from one pass to the next and
+drifts over minutes. Each pass starts fresh
 DataLoader workers; the epoch's first batch is excluded from the timing in every row alike (worker start)."""
 
 from __future__ import annotations
@@ -246,12 +247,15 @@ class Readers:
     peer: Peers
 
     def names(self) -> list[str]:
+        """The readers, in the order of a round."""
         return [OURS, OURS_NO_PREFETCH, *self.peer.dirs]
 
     def local_of(self, name: str) -> str:
+        """The reader whose local pass ``name``'s remote passes are compared with (prefetch is moot on disk)."""
         return OURS if name == OURS_NO_PREFETCH else name
 
     def epoch(self, name: str, url: str | None) -> dict[str, Any]:
+        """One epoch of reader ``name``: from local disk, or from S3 through the proxy at ``url``."""
         if name not in (OURS, OURS_NO_PREFETCH):
             if url is None:
                 return self.peer.epoch(name, str(self.peer.dirs[name]))
@@ -266,9 +270,10 @@ class Readers:
         return epoch_rate(cfg, self.tokenizer)
 
     def cache_of(self, name: str) -> Path:
+        """Each reader's own cache directory: one reader's warm pass never finds another's copies."""
         return self.cache / name.replace(", ", "_").replace(" ", "_")
 
-    def round(self, runs: dict, latency: int, url: str, proxy: Proxy, flip: bool) -> None:
+    def run_round(self, runs: dict[tuple, list], latency: int, url: str, proxy: Proxy, flip: bool) -> None:
         """One pass of every reader from local disk, then a cold one of each (its cache emptied first), then a warm
         one of each: the passes of one row lie seconds apart, so the ratios between readers (and to their own local
         pass) are not swamped by the machine's drift over minutes. ``flip`` reverses the readers' order (every other
@@ -287,7 +292,7 @@ class Readers:
 
 
 def measure(args: argparse.Namespace, log=print) -> dict[str, Any]:
-    """Rounds of every reader (``Readers.round``) at each latency; the JSON part of the section."""
+    """Rounds of every reader (``Readers.run_round``) at each latency; the JSON part of the section."""
     import fsspec
 
     from nanovlm.data.index import load_index
@@ -309,7 +314,7 @@ def measure(args: argparse.Namespace, log=print) -> dict[str, Any]:
             with slow_proxy(upstream, latency, plan.bandwidth_mb_s) as (url, proxy):
                 fsspec.config.conf["s3"] = {"endpoint_url": url}  # a new client (another cache key) per proxy
                 for i in range(plan.reps):
-                    readers.round(runs, latency, url, proxy, flip=i % 2 == 1)
+                    readers.run_round(runs, latency, url, proxy, flip=i % 2 == 1)
                 log(f"[remote] +{latency} ms: {plan.reps} rounds")
     fsspec.config.conf.pop("s3", None)
     shutil.rmtree(readers.cache, ignore_errors=True)
@@ -332,6 +337,7 @@ def measure(args: argparse.Namespace, log=print) -> dict[str, Any]:
 
 
 def _local_last(rows: Rows) -> list[dict[str, Any]]:
+    """The rows as the tables show them: the remote ones first, in round order, then the local one."""
     return [r for r in rows if r["latency_ms"] is not None] + [r for r in rows if r["latency_ms"] is None]
 
 

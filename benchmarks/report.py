@@ -566,8 +566,9 @@ def render_remote(result: dict) -> str:
         f"S3 server behind a proxy adding the latency to every request with {plan['bandwidth_mb_s']:.0f} MB/s "
         "shared. Cold: cache emptied before the epoch; warm: the epoch after. One epoch per pass, first batch "
         f"excluded, in {plan['reps']} rounds (every loader local, then cold, then warm); *of local*: each pass "
-        "against the local pass of its round (median [min-max]); *server CPU s*: CPU time of the benchmark's own process in the epoch, where the S3 "
-        "server and the proxy run beside the loader's main side (on the same cores as the workers); *wait s*: "
+        "against the local pass of its round (median [min-max]); *server CPU s*: CPU time of the benchmark's own "
+        "process in the epoch, where the S3 server and the proxy run beside the loader's main side (on the same "
+        "cores as the workers); *wait s*: "
         "what the workers spent opening shards after each one's first batch, summed (fetching one, or waiting on "
         "its prefetch); *bytes/epoch* counts what the proxy sent (index included)."
     )
@@ -637,8 +638,8 @@ def render_peers(result: dict) -> str:
         text = f"{r['samples_per_s']['median']:.0f} ({r['of_local']['median'] * 100:.0f}%"
         return text + ("" if sent is None else f", {sent / size:.2f}x") + ")"
 
-    def paired(mine: dict, theirs: dict) -> str:
-        return Stats.of([a / b for a, b in zip(mine["runs"], theirs["runs"], strict=True)]).fmt(2)
+    def paired(mine: dict, peer: dict) -> str:
+        return Stats.of([a / b for a, b in zip(mine["runs"], peer["runs"], strict=True)]).fmt(2)
 
     for name in ours:
         cells = [name, cell(ours[name], result["dataset_bytes"])]

@@ -273,7 +273,6 @@ def test_remote_section_reads_from_s3_behind_a_slow_proxy(tmp_path, make_dataset
         assert row["samples_per_s"]["median"] > 0 and row["of_local"]["median"] > 0
         if key[2]:  # cold: every shard fetched once, plus the index
             assert 1.0 <= row["bytes_per_epoch"] / doc["dataset_bytes"] <= 1.1
-    assert all(r["wait_s"]["min"] >= 0 for r in rows.values())
 
 
 def test_wait_is_counted_per_worker_from_its_first_batch():

@@ -284,7 +284,8 @@ def test_staged_shards_are_checked_shared_and_evicted(data, tmp_path):
 
 def test_wait_counts_the_fetches_readers_wait_for_and_not_the_prefetched(data, tmp_path):
     """``wait_ms``: a reader opening a shard that is not staged waits for its fetch (here 0.3 s of latency per
-    request); one the prefetcher staged beforehand opens at once."""
+    request), and one whose prefetch is still in flight waits for that fetch instead of making its own; a shard
+    staged beforehand opens at once."""
     index = load_index(data / "a")
     with http_server(data, FaultPlan(rate=1.0, kinds=("delay",), delay_s=0.3)) as (url, _, _):
         shards = {f"{url}/a/{s.name}": ShardInfo(s.size_bytes, s.crc32) for s in index.shards}
@@ -292,15 +293,15 @@ def test_wait_counts_the_fetches_readers_wait_for_and_not_the_prefetched(data, t
         cache = ShardCache(tmp_path / "c", 10 * max(i.size for i in shards.values()), shards, FAST)
         cache.open(urls[0]).close()
         assert cache.counters.wait_ms >= 300 and cache.counters.snapshot()["wait_ms"] == cache.counters.wait_ms
+        cache.local(urls[1])  # staged beforehand, as a finished prefetch leaves it
         waited = cache.counters.wait_ms
-        prefetch = Prefetcher(cache, ahead=1)
-        prefetch.upcoming(urls[1:3])
-        for f in list(prefetch._pending.values()):
-            f.result(timeout=30)
-        prefetch.close()
         cache.open(urls[1]).close()
+        assert cache.counters.wait_ms - waited < 100
+        prefetch = Prefetcher(cache, ahead=0)
+        prefetch.upcoming([urls[2]])  # in flight while the reader asks for it
         cache.open(urls[2]).close()
-        assert cache.counters.wait_ms - waited < 100 and cache.counters.fetched == 3
+        prefetch.close()
+        assert cache.counters.wait_ms - waited >= 200 and cache.counters.fetched == 3
 
 
 def _reader_process(cache: ShardCache, urls: list[str], seed: int, out) -> None:
