@@ -4,11 +4,11 @@ beside the peers (benchmarks/peers.py) reading the same samples from the same se
 
 Per row: samples/s over one epoch with ``workers`` DataLoader workers, with a cold cache (emptied before the
 pass) and a warm one (the pass after), prefetch on and off, and the bytes the proxy sent per epoch against the
-dataset's size. The passes run in rounds (``Readers.run_round``): every reader from local disk, then cold, then warm,
-so each remote pass is compared with its own reader's local pass of the same round and with the other readers'
-passes of the same row seconds apart; this machine's speed moves by up to a third from one pass to the next and
-drifts over minutes. Each pass starts fresh
-DataLoader workers; the epoch's first batch is excluded from the timing in every row alike (worker start)."""
+dataset's size. The passes run in rounds (``Readers.run_round``): every reader from local disk, then cold, then
+warm, so each remote pass is compared with its own reader's local pass of the same round and with the other
+readers' passes of the same row seconds apart; this machine's speed moves by up to a third from one pass to the
+next and drifts over minutes. Each pass starts fresh DataLoader workers; the epoch's first batch is excluded from
+the timing in every row alike (worker start)."""
 
 from __future__ import annotations
 

@@ -34,9 +34,9 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, BinaryIO, ClassVar, TypeVar
+from typing import Any, BinaryIO, TypeVar
 
 from nanovlm.data.index import crc32_file
 from nanovlm.dist import file_lock
@@ -118,7 +118,6 @@ class RemoteCounters:
     hits: int = 0
     refetched: int = 0  # staged copies that failed their check and were fetched again
     wait_ms: int = 0
-    FIELDS: ClassVar[tuple[str, ...]] = ("retries", "fetched", "fetched_bytes", "hits", "refetched", "wait_ms")
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def add(self, **kw: int) -> None:
@@ -128,7 +127,7 @@ class RemoteCounters:
 
     def snapshot(self) -> dict[str, int]:
         with self.lock:
-            return {k: getattr(self, k) for k in self.FIELDS}
+            return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "lock"}
 
 
 def _gone(e: BaseException) -> bool:

@@ -98,7 +98,8 @@ def _telemetry_rank(rank: int, port: int, skips: dict, out: Path) -> None:
         torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
         tel = Telemetry(load_config(["tiny_cpu.yaml"]), print_lines=False)
         tel._peak = None
-        datamodule = SimpleNamespace(telemetry=lambda: {"epoch": 0, "skips_by_reason": skips[rank]})
+        remote = {"retries": rank + 1, "fetched_bytes": 10**9 * (rank + 1), "wait_ms": 500 * (rank + 1)}
+        datamodule = SimpleNamespace(telemetry=lambda: {"epoch": 0, "skips_by_reason": skips[rank], "remote": remote})
         optimizer = SimpleNamespace(param_groups=[{"name": "language", "lr": 1e-3}])
         logger = Logger()
         trainer = SimpleNamespace(
@@ -118,12 +119,15 @@ def _telemetry_rank(rank: int, port: int, skips: dict, out: Path) -> None:
 
 
 @pytest.mark.distributed
-def test_skipped_samples_metric_sums_every_rank(tmp_path):
-    """``train/skipped_samples`` counts the skips of all ranks, like the other summed metrics (it was rank 0's)."""
+def test_skipped_samples_and_remote_metrics_sum_every_rank(tmp_path):
+    """``train/skipped_samples`` counts the skips of all ranks, like the other summed metrics (it was rank 0's), and
+    the remote counters (retries, bytes fetched, the readers' wait) are summed over the ranks too."""
     skips = {0: {"overlength": 1}, 1: {"unreadable_image": 5, "overlength": 2}}
     run_forked_ranks(_telemetry_rank, 2, tmp_path, skips, tmp_path / "rows.json")
     rows = json.loads((tmp_path / "rows.json").read_text())
     assert rows[0]["train/skipped_samples"] == 8.0 and rows[0]["train/tokens_per_s"] > 0
+    assert rows[0]["train/remote_retries"] == 3.0 and rows[0]["train/remote_fetched_gb"] == 3.0
+    assert rows[0]["train/remote_wait_s"] == 1.5
 
 
 def test_steps_trace_is_cut_at_the_resumed_micro_batch(tmp_path):
