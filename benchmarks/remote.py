@@ -35,7 +35,8 @@ class RemotePlan:
     latencies_ms: tuple[int, ...] = (0, 20, 100)
     bandwidth_mb_s: float = 200.0  # shared by all requests in flight
     workers: int = 2
-    reps: int = 5  # rounds per latency
+    reps: int = 5  # rounds per latency (and fresh processes per transfer measurement)
+    transfer_shards: int = 16  # fetched one after another by each fresh process of ``transfer_cpu``
 
     @classmethod
     def quick(cls) -> RemotePlan:
@@ -135,8 +136,9 @@ def slow_proxy(upstream: tuple[str, int], latency_ms: float, bandwidth_mb_s: flo
 
 
 @contextlib.contextmanager
-def s3_bucket(sources: dict[str, Path]):
-    """moto's S3 server with each ``sources`` directory uploaded to s3://BUCKET/ds; yields (host, port)."""
+def s3_bucket(sources: dict[str, Path], extra: dict[str, Path] | None = None):
+    """moto's S3 server with each ``sources`` directory uploaded to s3://BUCKET/ds, and each ``extra`` file to its
+    BUCKET/KEY; yields (host, port)."""
     import logging
     import os
 
@@ -159,6 +161,8 @@ def s3_bucket(sources: dict[str, Path]):
         for p in sorted(local_dir.rglob("*")):
             if p.is_file():
                 fs.put_file(str(p), f"{bucket}/ds/{p.relative_to(local_dir).as_posix()}")
+    for key, p in (extra or {}).items():
+        fs.put_file(str(p), key)
     try:
         yield host, port
     finally:
@@ -291,6 +295,49 @@ class Readers:
                 runs.setdefault((n, latency, cold), []).append(r | ({"sent": proxy.bytes_out - before} if cold else {}))
 
 
+GET_FILE, PRESIGNED = "s3fs get_file", "presigned GET (ours)"
+
+
+def _fetch_cpu(how: str, urls: list[str], dest: str, out: Any) -> None:
+    """In a fresh process, as in a DataLoader worker: the CPU seconds of each whole-object fetch of ``urls`` (the
+    first one includes the client's set-up), put on ``out``."""
+    from nanovlm.data.presigned import get_presigned
+    from nanovlm.data.remote import filesystem
+
+    cpu = []
+    for url in urls:
+        t = time.process_time()
+        fs, path = filesystem(url)
+        fs.get_file(path, dest) if how == GET_FILE else get_presigned(fs, path, dest)
+        cpu.append(time.process_time() - t)
+    out.put(cpu)
+
+
+def transfer_cpu(shards: list[str], big: str, big_bytes: int, work: Path, reps: int) -> dict[str, Any]:
+    """What receiving costs the reader's process, by s3fs's own transfer and by the presigned GET the shard cache
+    uses (data/presigned.py), straight from the S3 server (no proxy): the CPU of the first fetch of a fresh
+    process (client set-up included), of each further shard, and per MB of one large object (``big``)."""
+    import multiprocessing as mp
+
+    ctx, rows = mp.get_context("fork"), {}
+    for how in (GET_FILE, PRESIGNED):
+        first, per_shard, per_mb = [], [], []
+        for _ in range(reps):
+            out = ctx.Queue()
+            proc = ctx.Process(target=_fetch_cpu, args=(how, [*shards, big], str(work / "transfer.tmp"), out))
+            proc.start()
+            cpu = out.get(timeout=600)
+            proc.join(60)
+            first.append(cpu[0] * 1e3)
+            per_shard += [c * 1e3 for c in cpu[1:-1]]
+            per_mb.append(cpu[-1] * 1e3 / (big_bytes / 1e6))
+        rows[how] = {
+            k: Stats.of(v).to_dict() for k, v in (("first_ms", first), ("shard_ms", per_shard), ("mb_ms", per_mb))
+        }
+    (work / "transfer.tmp").unlink(missing_ok=True)
+    return rows
+
+
 def measure(args: argparse.Namespace, log=print) -> dict[str, Any]:
     """Rounds of every reader (``Readers.run_round``) at each latency; the JSON part of the section."""
     import fsspec
@@ -309,7 +356,16 @@ def measure(args: argparse.Namespace, log=print) -> dict[str, Any]:
     peer = Peers.prepare(source, Path(args.workdir), cfg, tokenizer, index.num_samples, log)
     readers = Readers(args, cfg, tokenizer, plan.workers, Path(args.workdir) / "remote_cache", peer)
     runs: dict[tuple, list[dict[str, Any]]] = {}
-    with s3_bucket({"bench": source, **peer.dirs}) as upstream:
+    big = Path(args.workdir) / "transfer_big.bin"  # one large object: the first shards end to end
+    big.parent.mkdir(parents=True, exist_ok=True)
+    with open(big, "wb") as f:
+        for s in index.shards[: max(1, len(index.shards) // 2)]:
+            f.write((source / s.name).read_bytes())
+    with s3_bucket({"bench": source, **peer.dirs}, extra={"bench/transfer/big.bin": big}) as upstream:
+        shard_urls = [f"s3://bench/ds/{s.name}" for s in index.shards[: plan.transfer_shards]]
+        transfer = transfer_cpu(shard_urls, "s3://bench/transfer/big.bin", big.stat().st_size, big.parent, plan.reps)
+        per_shard = ", ".join(f"{k} {v['shard_ms']['median']:.1f} ms" for k, v in transfer.items())
+        log(f"[remote] transfer CPU per shard: {per_shard}")
         for latency in plan.latencies_ms:
             with slow_proxy(upstream, latency, plan.bandwidth_mb_s) as (url, proxy):
                 fsspec.config.conf["s3"] = {"endpoint_url": url}  # a new client (another cache key) per proxy
@@ -318,6 +374,8 @@ def measure(args: argparse.Namespace, log=print) -> dict[str, Any]:
                 log(f"[remote] +{latency} ms: {plan.reps} rounds")
     fsspec.config.conf.pop("s3", None)
     shutil.rmtree(readers.cache, ignore_errors=True)
+    big_bytes = big.stat().st_size
+    big.unlink()
     rows, peer_rows = Rows(log), Rows(log)
     for (name, latency, cold), row_runs in runs.items():
         where = "local disk" if latency is None else f"S3 +{latency} ms, {'cold' if cold else 'warm'}"
@@ -331,6 +389,7 @@ def measure(args: argparse.Namespace, log=print) -> dict[str, Any]:
         "dataset_bytes": sum(s.size_bytes for s in index.shards),
         "shards": len(index.shards),
         "samples": index.num_samples,
+        "transfer": {"big_bytes": big_bytes, "shards": plan.transfer_shards, "rows": transfer},
         "rows": _local_last(rows),
         "peers": {"prepared": peer.prepared, "missing": peer.missing, "rows": _local_last(peer_rows)},
     }

@@ -604,8 +604,29 @@ def render_remote(result: dict) -> str:
             rows,
         )
     )
+    if "transfer" in result:
+        md += ["", render_transfer(result)]
     if "peers" in result:
         md += ["", render_peers(result)]
+    return "\n".join(md)
+
+
+def render_transfer(result: dict) -> str:
+    """The CPU a reader's process spends receiving: s3fs's own transfer against the presigned GET."""
+    t = result["transfer"]
+    md = ["### The transfer", ""]
+    md.append(
+        f"CPU time of a fresh process (as a DataLoader worker is) fetching {t['shards']} shards one after another "
+        f"({result['dataset_bytes'] / result['shards'] / 1e6:.1f} MB each), then one {t['big_bytes'] / 1e6:.0f} MB "
+        f"object, straight from the S3 server; {result['plan']['reps']} processes each, median [min-max]. *first "
+        "fetch*: includes the client's set-up."
+    )
+    md.append("")
+    rows = [
+        [how, Stats(**r["first_ms"]).fmt(0), Stats(**r["shard_ms"]).fmt(1), Stats(**r["mb_ms"]).fmt(2)]
+        for how, r in t["rows"].items()
+    ]
+    md.append(markdown_table(["transfer", "first fetch ms", "ms per further shard", "ms per MB (large object)"], rows))
     return "\n".join(md)
 
 

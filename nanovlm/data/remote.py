@@ -1,7 +1,8 @@
 """Datasets in object storage: a dataset directory may be a URL (``s3://``, ``gs://``, ``https://``, ``hf://``).
 
 Everything remote goes through fsspec (``s3fs``, ``gcsfs``, ``huggingface_hub`` are optional extras, imported
-when a URL of theirs is used). Endpoints and credentials come from each store's own environment and config files
+when a URL of theirs is used), except the bytes of a whole S3 object: s3fs presigns its URL, and one plain GET
+receives it at a third of the CPU (data/presigned.py). Endpoints and credentials come from each store's own environment and config files
 (for S3: ``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, profiles), never from our YAML;
 every URL in a message goes through ``redact`` first, so user:password@ and query strings (presigned tokens)
 never reach a log, an error or a checkpoint.
@@ -39,6 +40,7 @@ from pathlib import Path
 from typing import Any, BinaryIO, TypeVar
 
 from nanovlm.data.index import crc32_file
+from nanovlm.data.presigned import get_presigned, presignable
 from nanovlm.dist import file_lock
 
 log = logging.getLogger(__name__)
@@ -81,9 +83,16 @@ def filesystem(url: str):
     except ImportError:  # pragma: no cover - fsspec comes with the base install
         raise RemoteError("remote datasets need fsspec: pip install -e '.[remote]'") from None
     scheme = str(url).split("://", 1)[0].lower()
-    # s3fs would split an object over 50 MB into parallel ranged parts, each held whole in memory (10 x 50 MB per
-    # fetch): a shard is streamed in one request instead
-    options = {"max_concurrency": 1} if scheme in ("s3", "s3a") else {}
+    options: dict[str, Any] = {}
+    if scheme in ("s3", "s3a"):
+        # s3fs would split an object over 50 MB into parallel ranged parts, each held whole in memory (10 x 50 MB
+        # per fetch): a shard is streamed in one request instead
+        options["max_concurrency"] = 1
+        conf = fsspec.config.conf.get("s3", {})
+        if not conf.get("anon"):  # (an anonymous client signs nothing)
+            # botocore presigns with SigV2 wherever a region still allows it, which many S3-compatible stores
+            # refuse; its requests are SigV4 already. A signature_version set in fsspec's config still wins.
+            options["config_kwargs"] = {"signature_version": "s3v4", **conf.get("config_kwargs", {})}
     try:
         return fsspec.core.url_to_fs(url, **options)
     except ImportError as e:
@@ -175,15 +184,19 @@ def read_bytes(url: str, policy: RetryPolicy | None = None, counters: RemoteCoun
 
 
 def _copy(fs, remote: str, dest: Path) -> int:
-    """Stream one remote object into ``dest`` (overwritten) with one request (``get_file``: over s3:// and http(s)://
-    no size probe first; hf:// lists the directory once per process); returns the bytes copied. A local write
-    error is a LocalCacheError: retrying the store cannot fix it."""
+    """Stream one remote object into ``dest`` (overwritten) with one request: over s3:// a GET of a presigned URL
+    (data/presigned.py), else ``get_file`` (over http(s):// no size probe first; hf:// lists the directory once
+    per process); returns the bytes copied. A local write error is a LocalCacheError: retrying the store cannot
+    fix it."""
     try:
         open(dest, "wb").close()  # noqa: SIM115 - can we write there at all (not a directory, not read-only)
     except OSError as e:
         raise LocalCacheError(e) from None
     try:
-        fs.get_file(remote, str(dest))
+        if presignable(fs):
+            get_presigned(fs, remote, dest)
+        else:
+            fs.get_file(remote, str(dest))
     except OSError as e:
         if e.errno in LOCAL_ERRNOS:  # the disk filled up mid-copy, or went read-only
             raise LocalCacheError(e) from None

@@ -1,10 +1,12 @@
 """Real servers on loopback for the remote-dataset tests: an S3 API (moto's server mode), a GCS API
-(gcp-storage-emulator) and an HTTP file server with byte ranges that can fail a share of its requests the ways networks and object stores fail (503 throttling,
-a reset connection, a body cut short, a slow answer). Nothing here mocks a client: fsspec talks HTTP to them."""
+(gcp-storage-emulator), and an HTTP file server with byte ranges (or a reverse proxy in front of another server)
+that can fail a share of its requests the ways networks and object stores fail (503 throttling, a reset
+connection, a body cut short, a slow answer). Nothing here mocks a client: the clients talk HTTP to them."""
 
 from __future__ import annotations
 
 import contextlib
+import http.client
 import random
 import re
 import threading
@@ -35,7 +37,13 @@ class FaultPlan:
             return kind
 
 
-def _handler(root: Path, faults: FaultPlan, log: list[str]):
+HOP_HEADERS = {"connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade"}
+
+
+def _handler(root: Path | None, faults: FaultPlan, log: list[str], upstream: tuple[str, int] | None = None):
+    """Serves the files under ``root``, or (``upstream`` set) passes every request on to that server as a reverse
+    proxy; either way a share of the requests fails as ``faults`` draws."""
+
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
 
@@ -47,13 +55,34 @@ def _handler(root: Path, faults: FaultPlan, log: list[str]):
             path = (root / rel).resolve()
             return path if path.is_file() and root.resolve() in path.parents else None
 
-        def do_HEAD(self) -> None:
-            self._serve(body=False)
+        def _file(self) -> tuple[int, list[tuple[str, str]], bytes]:
+            path = self._target()
+            if path is None:
+                return 404, [], b""
+            data = path.read_bytes()
+            m = re.match(r"bytes=(\d+)-(\d*)", self.headers.get("Range", ""))
+            if not m:
+                return 200, [("Accept-Ranges", "bytes")], data
+            start = int(m.group(1))
+            end = min(len(data), int(m.group(2)) + 1) if m.group(2) else len(data)
+            span = ("Content-Range", f"bytes {start}-{end - 1}/{len(data)}")
+            return 206, [("Accept-Ranges", "bytes"), span], data[start:end]
 
-        def do_GET(self) -> None:
-            self._serve(body=True)
+        def _forward(self) -> tuple[int, list[tuple[str, str]], bytes]:
+            body = self.rfile.read(int(self.headers.get("Content-Length", 0) or 0))
+            headers = {k: v for k, v in self.headers.items() if k.lower() not in HOP_HEADERS}
+            conn = http.client.HTTPConnection(*upstream, timeout=30)
+            try:
+                conn.request(self.command, self.path, body=body or None, headers=headers)
+                resp = conn.getresponse()
+                data = resp.read()
+            finally:
+                conn.close()
+            # a HEAD's Content-Length is the object's size, passed on as is; a body's is set from what is sent
+            drop = HOP_HEADERS if self.command == "HEAD" else HOP_HEADERS | {"content-length"}
+            return resp.status, [(k, v) for k, v in resp.getheaders() if k.lower() not in drop], data
 
-        def _serve(self, body: bool) -> None:
+        def _serve(self) -> None:
             log.append(f"{self.command} {self.path} {self.headers.get('Range', '')}")
             fault = faults.draw()
             if fault == "delay":
@@ -69,46 +98,36 @@ def _handler(root: Path, faults: FaultPlan, log: list[str]):
                 with contextlib.suppress(OSError):
                     self.connection.shutdown(2)
                 return
-            path = self._target()
-            if path is None:
-                self.send_response(404)
-                self.send_header("Content-Length", "0")
-                self.end_headers()
-                return
-            data = path.read_bytes()
-            start, end, status = 0, len(data), 200
-            m = re.match(r"bytes=(\d+)-(\d*)", self.headers.get("Range", ""))
-            if m:
-                start = int(m.group(1))
-                end = min(len(data), int(m.group(2)) + 1) if m.group(2) else len(data)
-                status = 206
+            status, headers, data = self._forward() if upstream else self._file()
             self.send_response(status)
-            self.send_header("Content-Length", str(end - start))
-            self.send_header("Accept-Ranges", "bytes")
-            if status == 206:
-                self.send_header("Content-Range", f"bytes {start}-{end - 1}/{len(data)}")
+            for k, v in headers:
+                self.send_header(k, v)
+            if not any(k.lower() == "content-length" for k, _ in headers):
+                self.send_header("Content-Length", str(len(data)))
             self.end_headers()
-            if not body:
+            if self.command == "HEAD":
                 return
-            chunk = data[start:end]
-            if fault == "truncate" and len(chunk) > 1:
-                self.wfile.write(chunk[: len(chunk) // 2])
+            if fault == "truncate" and len(data) > 1:
+                self.wfile.write(data[: len(data) // 2])
                 self.close_connection = True
                 with contextlib.suppress(OSError):
                     self.wfile.flush()
                     self.connection.shutdown(2)
                 return
-            self.wfile.write(chunk)
+            self.wfile.write(data)
+
+        do_GET = do_HEAD = do_PUT = do_POST = do_DELETE = _serve
 
     return Handler
 
 
 @contextlib.contextmanager
-def http_server(root: Path, faults: FaultPlan | None = None):
-    """Serve ``root`` on 127.0.0.1 (a free port); yields (base URL, the fault plan, the request log)."""
+def http_server(root: Path | None, faults: FaultPlan | None = None, upstream: tuple[str, int] | None = None):
+    """Serve ``root`` on 127.0.0.1 (a free port), or proxy to the server at ``upstream``; yields (base URL, the
+    fault plan, the request log)."""
     faults = faults or FaultPlan()
     log: list[str] = []
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(root, faults, log))
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(root, faults, log, upstream))
     server.daemon_threads = True
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()

@@ -259,7 +259,7 @@ def test_tiles_section_packs_real_sizes_and_documents_under_a_tile_budget(tmp_pa
 
 def test_remote_section_reads_from_s3_behind_a_slow_proxy(tmp_path, make_dataset, tiny_tokenizer):
     """One epoch from moto's S3 server behind 20 ms of latency, cold and warm, prefetch on and off, each against a
-    local pass; a cold epoch fetches the dataset about once."""
+    local pass; a cold epoch fetches the dataset about once; the transfer's CPU is measured both ways."""
     pytest.importorskip("s3fs")
     make_dataset(tmp_path / "ds", 60, samples_per_shard=10)
     tiny_tokenizer.save_pretrained(str(tmp_path / "tok"))
@@ -273,6 +273,12 @@ def test_remote_section_reads_from_s3_behind_a_slow_proxy(tmp_path, make_dataset
         assert row["samples_per_s"]["median"] > 0 and row["of_local"]["median"] > 0
         if key[2]:  # cold: every shard fetched once, plus the index
             assert 1.0 <= row["bytes_per_epoch"] / doc["dataset_bytes"] <= 1.1
+    from benchmarks.remote import GET_FILE, PRESIGNED
+
+    transfer = doc["transfer"]  # each way of receiving, in a fresh process: 6 shards, then the first 3 end to end
+    assert set(transfer["rows"]) == {GET_FILE, PRESIGNED} and transfer["big_bytes"] == doc["dataset_bytes"] // 2
+    for row in transfer["rows"].values():
+        assert row["shard_ms"]["n"] == 5 and min(s["min"] for s in row.values()) > 0
 
 
 def test_wait_is_counted_per_worker_from_its_first_batch():
