@@ -308,7 +308,10 @@ def _fetch_cpu(how: str, urls: list[str], dest: str, out: Any) -> None:
     for url in urls:
         t = time.process_time()
         fs, path = filesystem(url)
-        fs.get_file(path, dest) if how == GET_FILE else get_presigned(fs, path, dest)
+        if how == GET_FILE:
+            fs.get_file(path, dest)
+        else:
+            get_presigned(fs, path, dest)
         cpu.append(time.process_time() - t)
     out.put(cpu)
 
@@ -326,8 +329,10 @@ def transfer_cpu(shards: list[str], big: str, big_bytes: int, work: Path, reps: 
             out = ctx.Queue()
             proc = ctx.Process(target=_fetch_cpu, args=(how, [*shards, big], str(work / "transfer.tmp"), out))
             proc.start()
-            cpu = out.get(timeout=600)
-            proc.join(60)
+            proc.join(600)  # (what it puts on ``out`` is small: the queue lets it exit first)
+            if proc.exitcode != 0:
+                raise RuntimeError(f"the {how} transfer process failed (exit code {proc.exitcode})")
+            cpu = out.get(timeout=10)
             first.append(cpu[0] * 1e3)
             per_shard += [c * 1e3 for c in cpu[1:-1]]
             per_mb.append(cpu[-1] * 1e3 / (big_bytes / 1e6))

@@ -1,63 +1,88 @@
-"""Whole S3 objects fetched with one plain HTTP GET of a presigned URL (urllib3) instead of s3fs's own transfer.
+"""Whole S3 objects received by one plain HTTP GET of a presigned URL (urllib3) instead of s3fs's own transfer.
 
-Why: s3fs receives through aiobotocore and aiohttp, which costs a DataLoader worker about 1.5 ms of CPU per MB and
-a few ms per request; a plain GET costs about 0.1 ms per MB (docs/remote.md#the-transfer), and every core-second a
-worker spends receiving is taken from decoding images. s3fs still decides everything that makes the request
-right when it presigns the URL (endpoint, region, credentials and their refresh, addressing style, requester
-pays); only the transfer changes. A filesystem that adds arguments to every request (SSE-C keys) keeps s3fs's
-transfer (``presignable``).
+Why: s3fs receives through aiobotocore and aiohttp, which costs a DataLoader worker about three times the CPU per
+MB of a plain GET (docs/remote.md#the-transfer), and every core-second a worker spends receiving is taken from
+decoding images. s3fs still decides what makes the request right when it presigns the URL (endpoint, region,
+credentials and their refresh, addressing style). Only the plain answer is handled here: 200 is streamed to
+disk; 5xx, 429 and a transfer that breaks are a ConnectionError for the caller's retries; any other answer (a
+redirect to another region, a clock-skew or signature refusal, a missing key, denied access) hands the fetch to
+s3fs's own transfer, whose client knows what each one means, and after a refusal this process keeps using it.
+A filesystem whose requests need more than the URL (requester pays, SSE-C keys, proxies set in its config)
+keeps s3fs's transfer throughout (``presignable``).
 
-A presigned URL carries a signature (and, with temporary credentials, a session token) in its query string: it is
-never logged, and the errors raised here name only an HTTP status or an exception type.
+A presigned URL carries a signature (and, with temporary credentials, a session token) in its query string:
+errors raised here name only an HTTP status or an exception type, and urllib3's debug log loses query strings.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import urllib.request
+import weakref
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
+log = logging.getLogger(__name__)
 EXPIRES_S = 900  # a URL is presigned right before its GET: it only has to outlive one transfer
 CHUNK = 1 << 20
-_POOLS: dict[tuple, Any] = {}  # (pid, proxy, verify) -> urllib3 pool manager: connections never cross a fork
+RETRY_STATUSES = frozenset({429, 500, 502, 503, 504})
+_POOLS: dict[tuple, Any] = {}  # (proxy, verify) -> urllib3 pool manager of this process
+_REFUSED: weakref.WeakSet = weakref.WeakSet()  # filesystems whose presigned GETs a store refused: s3fs's transfer
+os.register_at_fork(after_in_child=_POOLS.clear)  # connections never cross a fork
 
 
 def presignable(fs: Any) -> bool:
-    """Whether ``fs`` is an s3fs filesystem whose GETs a presigned URL can carry (no per-request extras)."""
+    """Whether ``fs`` is an s3fs filesystem whose GETs a presigned URL alone can carry."""
     protocols = {fs.protocol} if isinstance(fs.protocol, str) else set(fs.protocol)
-    return "s3" in protocols and not getattr(fs, "s3_additional_kwargs", None) and hasattr(fs, "url")
+    return (
+        "s3" in protocols
+        and hasattr(fs, "url")
+        and fs not in _REFUSED
+        and not getattr(fs, "req_kw", None)  # requester pays: a header the signature covers
+        and not getattr(fs, "s3_additional_kwargs", None)  # SSE-C keys
+        and not (getattr(fs, "config_kwargs", None) or {}).get("proxies")
+    )
 
 
 def get_presigned(fs: Any, path: str, dest: Path) -> None:
     """Stream the object at ``path`` (bucket/key) of s3fs filesystem ``fs`` into ``dest`` (overwritten).
 
-    Raises FileNotFoundError (404), PermissionError (401, 403): retrying cannot help; ConnectionError for any
-    other status or a transfer that fails (reset, timeout, a body cut short): retry. A local write error is the
-    OSError of the write, as ``open`` raises it."""
+    Raises ConnectionError for an answer or a transfer worth retrying; what s3fs's transfer raises for any other
+    answer; the OSError of a local write as ``open`` raises it."""
     import urllib3
 
-    url = fs.url(path, expires=EXPIRES_S, **getattr(fs, "req_kw", {}))
+    url = fs.url(path, expires=EXPIRES_S)
     verify = (getattr(fs, "client_kwargs", None) or {}).get("verify", os.environ.get("AWS_CA_BUNDLE"))
     try:
-        resp = _pool(url, verify).request("GET", url, preload_content=False, retries=False, redirect=False)
+        resp = _pool(url, verify).request(
+            "GET", url, preload_content=False, retries=False, redirect=False, enforce_content_length=True
+        )
     except urllib3.exceptions.HTTPError as e:
         raise ConnectionError(f"{type(e).__name__} requesting the object") from None
     try:
-        if resp.status == 404:
-            raise FileNotFoundError(f"HTTP 404 for {path}")
-        if resp.status in (401, 403):
-            raise PermissionError(f"HTTP {resp.status} for {path}")
-        if resp.status != 200:
+        if resp.status in RETRY_STATUSES:
             raise ConnectionError(f"HTTP {resp.status} {resp.reason}")
+        if resp.status != 200:
+            if resp.status != 404:  # a refusal of the presigned URL itself, or of where it points
+                _REFUSED.add(fs)
+                log.warning(
+                    "the store answered HTTP %d to a presigned GET: s3fs's own transfer from now on", resp.status
+                )
+            resp.drain_conn()
+            fs.get_file(path, str(dest))
+            return
         with open(dest, "wb") as f:
             for chunk in resp.stream(CHUNK):
                 f.write(chunk)
     except urllib3.exceptions.HTTPError as e:  # reset, timeout, fewer bytes than Content-Length
+        resp.close()
         raise ConnectionError(f"{type(e).__name__} reading the object") from None
-    finally:
-        resp.release_conn()
+    except BaseException:
+        resp.close()  # a connection whose answer was not read to its end is not reused
+        raise
+    resp.release_conn()
 
 
 def _pool(url: str, verify: bool | str | None) -> Any:
@@ -70,20 +95,46 @@ def _pool(url: str, verify: bool | str | None) -> Any:
     proxy = urllib.request.getproxies().get(parts.scheme)
     if proxy and urllib.request.proxy_bypass(parts.hostname or ""):
         proxy = None
-    key = (os.getpid(), proxy, verify)
-    pool = _POOLS.get(key)
+    pool = _POOLS.get((proxy, verify))
     if pool is None:
         tls: dict[str, Any] = {"cert_reqs": "CERT_NONE"} if verify is False else {"ca_certs": verify or _ca_bundle()}
         timeout = urllib3.Timeout(connect=60, read=60)  # botocore's defaults: a stalled transfer fails, never hangs
         options = {"maxsize": 8, "timeout": timeout, **tls}
-        pool = urllib3.ProxyManager(proxy, **options) if proxy else urllib3.PoolManager(**options)
-        _POOLS[key] = pool
+        pool = (
+            urllib3.ProxyManager(proxy, proxy_headers=_proxy_headers(proxy), **options)
+            if proxy
+            else urllib3.PoolManager(**options)
+        )
+        _POOLS[(proxy, verify)] = pool
     return pool
 
 
+def _proxy_headers(proxy: str) -> dict[str, str] | None:
+    """Basic auth for a proxy URL with user:password@ (urllib3 does not take it from the URL)."""
+    import urllib3
+
+    parts = urlsplit(proxy)
+    if parts.username is None:
+        return None
+    return urllib3.make_headers(proxy_basic_auth=f"{unquote(parts.username)}:{unquote(parts.password or '')}")
+
+
 def _ca_bundle() -> str | None:
+    """certifi's CA bundle where it is installed (None: the system's)."""
     try:
         import certifi
     except ImportError:
         return None
     return certifi.where()
+
+
+class _NoQueryStrings(logging.Filter):
+    """urllib3 logs each request's path at DEBUG: a presigned URL's query string (its signature) is dropped."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.args, tuple):
+            record.args = tuple(a.split("?", 1)[0] if isinstance(a, str) else a for a in record.args)
+        return True
+
+
+logging.getLogger("urllib3.connectionpool").addFilter(_NoQueryStrings())

@@ -2,10 +2,10 @@
 
 Everything remote goes through fsspec (``s3fs``, ``gcsfs``, ``huggingface_hub`` are optional extras, imported
 when a URL of theirs is used), except the bytes of a whole S3 object: s3fs presigns its URL, and one plain GET
-receives it at a third of the CPU (data/presigned.py). Endpoints and credentials come from each store's own environment and config files
-(for S3: ``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, profiles), never from our YAML;
-every URL in a message goes through ``redact`` first, so user:password@ and query strings (presigned tokens)
-never reach a log, an error or a checkpoint.
+receives it for less CPU (data/presigned.py). Endpoints and credentials come from each store's own environment
+and config files (for S3: ``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, profiles), never
+from our YAML; every URL in a message goes through ``redact`` first, so user:password@ and query strings
+(presigned tokens) never reach a log, an error or a checkpoint.
 
 Reading is by **whole shards staged in a local cache** (``ShardCache``): the epoch plan reads each slot's shards
 front to back (the order keeps a shard's samples together, docs/data.md), so a shard is fetched once with one
@@ -83,16 +83,9 @@ def filesystem(url: str):
     except ImportError:  # pragma: no cover - fsspec comes with the base install
         raise RemoteError("remote datasets need fsspec: pip install -e '.[remote]'") from None
     scheme = str(url).split("://", 1)[0].lower()
-    options: dict[str, Any] = {}
-    if scheme in ("s3", "s3a"):
-        # s3fs would split an object over 50 MB into parallel ranged parts, each held whole in memory (10 x 50 MB
-        # per fetch): a shard is streamed in one request instead
-        options["max_concurrency"] = 1
-        conf = fsspec.config.conf.get("s3", {})
-        if not conf.get("anon"):  # (an anonymous client signs nothing)
-            # botocore presigns with SigV2 wherever a region still allows it, which many S3-compatible stores
-            # refuse; its requests are SigV4 already. A signature_version set in fsspec's config still wins.
-            options["config_kwargs"] = {"signature_version": "s3v4", **conf.get("config_kwargs", {})}
+    # s3fs would split an object over 50 MB into parallel ranged parts, each held whole in memory (10 x 50 MB per
+    # fetch): a shard is streamed in one request instead
+    options = {"max_concurrency": 1} if scheme in ("s3", "s3a") else {}
     try:
         return fsspec.core.url_to_fs(url, **options)
     except ImportError as e:

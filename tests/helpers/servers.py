@@ -23,6 +23,7 @@ class FaultPlan:
 
     def __init__(self, rate: float = 0.0, kinds: tuple[str, ...] = FAULTS, seed: int = 0, delay_s: float = 0.02):
         self.rate, self.kinds, self.delay_s = rate, kinds, delay_s
+        self.refuse_presigned = False  # answer 403 to every request signed in its query string, as some stores do
         self._rng = random.Random(seed)
         self._lock = threading.Lock()
         self.done: Counter = Counter()
@@ -85,10 +86,12 @@ def _handler(root: Path | None, faults: FaultPlan, log: list[str], upstream: tup
         def _serve(self) -> None:
             log.append(f"{self.command} {self.path} {self.headers.get('Range', '')}")
             fault = faults.draw()
+            if faults.refuse_presigned and "Signature=" in self.path:
+                fault = "403"
             if fault == "delay":
                 time.sleep(faults.delay_s)
-            if fault == "503":
-                self.send_response(503, "Slow Down")
+            if fault in ("503", "403"):
+                self.send_response(int(fault), "Slow Down" if fault == "503" else "Forbidden")
                 self.send_header("Content-Length", "0")
                 self.send_header("Retry-After", "0")
                 self.end_headers()

@@ -276,7 +276,7 @@ def test_remote_section_reads_from_s3_behind_a_slow_proxy(tmp_path, make_dataset
     from benchmarks.remote import GET_FILE, PRESIGNED
 
     transfer = doc["transfer"]  # each way of receiving, in a fresh process: 6 shards, then the first 3 end to end
-    assert set(transfer["rows"]) == {GET_FILE, PRESIGNED} and transfer["big_bytes"] == doc["dataset_bytes"] // 2
+    assert set(transfer["rows"]) == {GET_FILE, PRESIGNED} and 0 < transfer["big_bytes"] < doc["dataset_bytes"]
     for row in transfer["rows"].values():
         assert row["shard_ms"]["n"] == 5 and min(s["min"] for s in row.values()) > 0
 

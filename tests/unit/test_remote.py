@@ -5,6 +5,7 @@ vanished shard or a corrupt index is a named error; credentials appear in no mes
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -206,41 +207,73 @@ def test_http_faults_lose_and_repeat_nothing(data, tiny_tokenizer, tmp_path, cap
     assert ":pw@" not in caplog.text
 
 
-def test_s3_faults_lose_and_repeat_nothing_and_no_message_holds_a_signature(
+@contextlib.contextmanager
+def s3_behind_a_proxy(monkeypatch, data, faults: FaultPlan):
+    """``data/a`` in moto's S3 server, which clients reach through a fault proxy; yields (bucket, the proxy's
+    request log)."""
+    with s3_server(monkeypatch) as (fs, bucket):
+        upload(fs, data / "a", f"{bucket}/a")
+        host, port = os.environ["AWS_ENDPOINT_URL"].removeprefix("http://").split(":")
+        with http_server(None, faults, upstream=(host, int(port))) as (url, _, log):
+            monkeypatch.setenv("AWS_ENDPOINT_URL", url)
+            fsspec.filesystem("s3").clear_instance_cache()  # clients made for moto's own address
+            yield bucket, log
+
+
+def test_s3_faults_lose_and_repeat_nothing_and_no_log_holds_a_signature(
     data, tiny_tokenizer, tmp_path, monkeypatch, caplog
 ):
-    """Shards come from S3 as one GET of a SigV4-presigned URL each (data/presigned.py), here through a proxy
-    in front of moto that answers 30% of the requests 503, resets them, cuts them short or delays them: 2 workers
-    read the local epoch, batch for batch. A store that keeps failing is a named error; neither it nor the retry
-    log holds the signature, the key id or the secret."""
+    """Shards come from S3 as one GET of a presigned URL each (data/presigned.py), here through a proxy in front
+    of moto that answers 30% of the requests 503, resets them, cuts them short or delays them: 2 workers read the
+    local epoch, batch for batch. A store that keeps failing is a named error; neither it nor the logs (urllib3's
+    debug lines included) hold the signature, the key id or the secret."""
     local = make_dm(make_cfg([data / "a"], num_workers=2), tiny_tokenizer)
     n = local.current_split().batches_per_rank()
     want = take(local, n)
-    shards = [s.name for s in load_index(data / "a").shards]
-    with s3_server(monkeypatch) as (fs, bucket):
-        upload(fs, data / "a", f"{bucket}/a")
-        moto = os.environ["AWS_ENDPOINT_URL"].removeprefix("http://").split(":")
-        with http_server(None, FaultPlan(rate=0.3, seed=7), upstream=(moto[0], int(moto[1]))) as (url, faults, log):
-            monkeypatch.setenv("AWS_ENDPOINT_URL", url)
-            fsspec.filesystem("s3").clear_instance_cache()  # clients made for moto's own address
-            cfg = make_cfg([f"s3://{bucket}/a"], num_workers=2, cache_dir=str(tmp_path / "cache"))
-            with caplog.at_level(logging.WARNING, logger="nanovlm.data.remote"):
-                dm = make_dm(cfg, tiny_tokenizer)
-                dm.shard_cache.policy = FAST
-                same_batches(take(dm, n), want)
-            fetches = [line for line in log if any(f"/{name}" in line for name in shards)]
-            assert {line.split()[0] for line in fetches} == {"GET"}  # no HEAD first: one request per attempt
-            assert all("X-Amz-Algorithm=AWS4-HMAC-SHA256" in line for line in fetches), fetches[:2]
-            assert sum(faults.done[k] for k in ("503", "reset", "truncate")) >= 3
-            assert "retry" in caplog.text
-            faults.rate, faults.kinds = 1.0, ("503",)
-            u = f"s3://{bucket}/a/{shards[0]}"
-            cache = ShardCache(tmp_path / "c", 10**9, {u: ShardInfo(load_index(data / "a").shards[0].size_bytes)}, FAST)
-            with pytest.raises(RemoteError, match=f"{u}: still failing after 4 attempts .*HTTP 503") as e:
-                cache.open(u)
+    index = load_index(data / "a")
+    faults = FaultPlan(rate=0.3, seed=7)
+    with s3_behind_a_proxy(monkeypatch, data, faults) as (bucket, log):
+        cfg = make_cfg([f"s3://{bucket}/a"], num_workers=2, cache_dir=str(tmp_path / "cache"))
+        with caplog.at_level(logging.WARNING, logger="nanovlm.data.remote"):
+            dm = make_dm(cfg, tiny_tokenizer)
+            dm.shard_cache.policy = FAST
+            same_batches(take(dm, n), want)
+        fetches = [line for line in log if any(f"/{s.name}" in line for s in index.shards)]
+        assert {line.split()[0] for line in fetches} == {"GET"}  # no HEAD first: one request per attempt
+        assert all("Signature=" in line for line in fetches), fetches[:2]  # presigned
+        assert sum(faults.done[k] for k in ("503", "reset", "truncate")) >= 3
+        assert "retry" in caplog.text
+        faults.rate, faults.kinds = 1.0, ("503",)
+        u = f"s3://{bucket}/a/{index.shards[0].name}"
+        cache = ShardCache(tmp_path / "c", 10**9, {u: ShardInfo(index.shards[0].size_bytes)}, FAST)
+        failing = pytest.raises(RemoteError, match=f"{u}: still failing after 4 attempts .*HTTP 503")
+        with caplog.at_level(logging.DEBUG, logger="urllib3"), failing as e:
+            cache.open(u)
+    assert f"GET /{bucket}/a/{index.shards[0].name} " in caplog.text  # urllib3's debug line, without its query
     for text in (str(e.value), caplog.text):
         for secret in ("Signature", "X-Amz-Credential", "test-key-id", "test-secret"):
             assert secret not in text
+
+
+def test_a_store_that_refuses_presigned_urls_is_read_by_s3fs_transfer(data, tmp_path, monkeypatch, caplog):
+    """A 403 to a presigned GET (a store that refuses query signatures, a clock skew, another region) hands the
+    fetch to s3fs's own transfer, which signs its headers, and the process keeps using it; a missing key is still
+    gone."""
+    index = load_index(data / "a")
+    faults = FaultPlan()
+    faults.refuse_presigned = True
+    with s3_behind_a_proxy(monkeypatch, data, faults) as (bucket, log):
+        urls = [f"s3://{bucket}/a/{s.name}" for s in index.shards]
+        shards = {u: ShardInfo(s.size_bytes, s.crc32) for u, s in zip(urls, index.shards)}
+        cache = ShardCache(tmp_path / "c", 10**9, shards | {urls[0] + ".gone": ShardInfo(1)}, FAST)
+        with caplog.at_level(logging.WARNING, logger="nanovlm.data.presigned"):
+            for u in urls:
+                assert cache.open(u).read() == (data / "a" / u.rsplit("/", 1)[1]).read_bytes()
+        gets = [line.split()[1] for line in log if line.startswith("GET")]
+        assert ["Signature=" in g for g in gets] == [True] + [False] * len(urls)  # one refusal, then s3fs's
+        assert caplog.text.count("HTTP 403 to a presigned GET") == 1
+        with pytest.raises(RemoteGoneError):
+            cache.open(urls[0] + ".gone")
 
 
 def test_prepare_data_writes_to_s3(tmp_path, tiny_tokenizer, monkeypatch, capsys):
@@ -469,21 +502,35 @@ def test_the_index_is_fetched_checked_and_reused(data, tmp_path):
             fetch_index(f"{url}/missing", tmp_path / "cache2", FAST)
 
 
+def _pools_after_fork(out) -> None:
+    from nanovlm.data import presigned
+
+    out.put(len(presigned._POOLS))
+
+
 def test_presigned_gets_go_through_the_environment_proxy_and_verify_as_told(monkeypatch):
-    """The presigned GET honours HTTP(S)_PROXY and NO_PROXY as botocore does, and the verify setting s3fs was
-    given (a CA bundle path, or False); each process keeps its own connections."""
+    """The presigned GET honours HTTP(S)_PROXY (with its user:password) and NO_PROXY as botocore does, and the
+    verify setting s3fs was given (a CA bundle path, or False); a forked process opens its own connections."""
+    import base64
+    import multiprocessing as mp
+
     import urllib3
 
     from nanovlm.data import presigned
 
-    monkeypatch.setattr(presigned, "_POOLS", {})
-    monkeypatch.setenv("HTTPS_PROXY", "http://proxy.internal:3128")
+    presigned._POOLS.clear()  # (the dict itself: a fork clears it)
+    monkeypatch.setenv("HTTPS_PROXY", "http://me:p%40ss@proxy.internal:3128")
     monkeypatch.setenv("NO_PROXY", "store.internal")
     via = presigned._pool("https://bucket.s3.example.com/k?X-Amz-Signature=s", None)
     assert isinstance(via, urllib3.ProxyManager) and via.proxy.host == "proxy.internal"
+    assert via.proxy_headers["proxy-authorization"] == "Basic " + base64.b64encode(b"me:p@ss").decode()
     direct = presigned._pool("https://store.internal/b/k", "/etc/ca.pem")
     assert not isinstance(direct, urllib3.ProxyManager) and direct.connection_pool_kw["ca_certs"] == "/etc/ca.pem"
     unverified = presigned._pool("https://store.internal/b/k", False)
     assert unverified.connection_pool_kw["cert_reqs"] == "CERT_NONE"
     assert presigned._pool("https://store.internal/b/k", "/etc/ca.pem") is direct  # reused within a process
-    assert {key[0] for key in presigned._POOLS} == {os.getpid()}
+    out = mp.get_context("fork").Queue()
+    child = mp.get_context("fork").Process(target=_pools_after_fork, args=(out,))
+    child.start()
+    assert out.get(timeout=30) == 0 and len(presigned._POOLS) == 3
+    child.join(30)
