@@ -3,12 +3,13 @@
 Why: s3fs receives through aiobotocore and aiohttp, which costs a DataLoader worker about three times the CPU per
 MB of a plain GET (docs/remote.md#the-transfer), and every core-second a worker spends receiving is taken from
 decoding images. s3fs still decides what makes the request right when it presigns the URL (endpoint, region,
-credentials and their refresh, addressing style). Only the plain answer is handled here: 200 is streamed to
-disk; 5xx, 429 and a transfer that breaks are a ConnectionError for the caller's retries; any other answer (a
-redirect to another region, a clock-skew or signature refusal, a missing key, denied access) hands the fetch to
-s3fs's own transfer, whose client knows what each one means, and after a refusal this process keeps using it.
-A filesystem whose requests need more than the URL (requester pays, SSE-C keys, proxies set in its config)
-keeps s3fs's transfer throughout (``presignable``).
+credentials and their refresh, addressing style), with SigV4: botocore presigns with SigV2 by default wherever a
+region still lists it, which newer buckets and many S3-compatible stores refuse. Only plain answers are handled
+here: 200 is streamed to disk; 5xx, 429 and a transfer that breaks are a ConnectionError for the caller's
+retries; a missing key or denied access goes to s3fs's own transfer, which raises what it means; any other
+answer (a redirect to another region, a refused signature or clock) also goes to s3fs's transfer, and the
+process keeps using it for that host. A filesystem whose requests need more than the URL (requester pays, SSE-C
+keys, proxies set in its config) keeps s3fs's transfer throughout (``presignable``).
 
 A presigned URL carries a signature (and, with temporary credentials, a session token) in its query string:
 errors raised here name only an HTTP status or an exception type, and urllib3's debug log loses query strings.
@@ -18,8 +19,8 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import urllib.request
-import weakref
 from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlsplit
@@ -29,7 +30,8 @@ EXPIRES_S = 900  # a URL is presigned right before its GET: it only has to outli
 CHUNK = 1 << 20
 RETRY_STATUSES = frozenset({429, 500, 502, 503, 504})
 _POOLS: dict[tuple, Any] = {}  # (proxy, verify) -> urllib3 pool manager of this process
-_REFUSED: weakref.WeakSet = weakref.WeakSet()  # filesystems whose presigned GETs a store refused: s3fs's transfer
+GONE_CODES = frozenset({"NoSuchKey", "NoSuchBucket", "AccessDenied"})  # S3 error codes about the object, not the URL
+_REFUSED: set[str] = set()  # hosts (scheme://host:port) that refused a presigned GET: s3fs's transfer from then on
 os.register_at_fork(after_in_child=_POOLS.clear)  # connections never cross a fork
 
 
@@ -39,7 +41,6 @@ def presignable(fs: Any) -> bool:
     return (
         "s3" in protocols
         and hasattr(fs, "url")
-        and fs not in _REFUSED
         and not getattr(fs, "req_kw", None)  # requester pays: a header the signature covers
         and not getattr(fs, "s3_additional_kwargs", None)  # SSE-C keys
         and not (getattr(fs, "config_kwargs", None) or {}).get("proxies")
@@ -53,7 +54,11 @@ def get_presigned(fs: Any, path: str, dest: Path) -> None:
     answer; the OSError of a local write as ``open`` raises it."""
     import urllib3
 
-    url = fs.url(path, expires=EXPIRES_S)
+    url = _signer(fs).url(path, expires=EXPIRES_S)
+    host = "{0.scheme}://{0.netloc}".format(urlsplit(url))
+    if host in _REFUSED:
+        fs.get_file(path, str(dest))
+        return
     verify = (getattr(fs, "client_kwargs", None) or {}).get("verify", os.environ.get("AWS_CA_BUNDLE"))
     try:
         resp = _pool(url, verify).request(
@@ -65,16 +70,17 @@ def get_presigned(fs: Any, path: str, dest: Path) -> None:
         if resp.status in RETRY_STATUSES:
             raise ConnectionError(f"HTTP {resp.status} {resp.reason}")
         if resp.status != 200:
-            if resp.status != 404:  # a refusal of the presigned URL itself, or of where it points
-                _REFUSED.add(fs)
+            code = re.search(rb"<Code>([^<]{1,64})</Code>", resp.read(1 << 16))
+            if resp.status != 404 and (code is None or code.group(1).decode() not in GONE_CODES):
+                _REFUSED.add(host)  # the URL itself is refused, or points to the wrong place
                 log.warning(
                     "the store answered HTTP %d to a presigned GET: s3fs's own transfer from now on", resp.status
                 )
             resp.drain_conn()
-            fs.get_file(path, str(dest))
+            fs.get_file(path, str(dest))  # raises what the answer means (a gone object), or reads it
             return
         with open(dest, "wb") as f:
-            for chunk in resp.stream(CHUNK):
+            for chunk in resp.stream(CHUNK, decode_content=False):  # the stored bytes, whatever their encoding
                 f.write(chunk)
     except urllib3.exceptions.HTTPError as e:  # reset, timeout, fewer bytes than Content-Length
         resp.close()
@@ -83,6 +89,14 @@ def get_presigned(fs: Any, path: str, dest: Path) -> None:
         resp.close()  # a connection whose answer was not read to its end is not reused
         raise
     resp.release_conn()
+
+
+def _signer(fs: Any) -> Any:
+    """The filesystem that presigns for ``fs``: ``fs`` made with SigV4 (fsspec keeps one per process and options;
+    its client is made on its first use, so a worker that only fetches shards sets up one client)."""
+    if getattr(fs, "anon", False) or "signature_version" in (fs.config_kwargs or {}):
+        return fs  # unsigned, or the user's own choice
+    return type(fs)(**{**fs.storage_options, "config_kwargs": {**fs.config_kwargs, "signature_version": "s3v4"}})
 
 
 def _pool(url: str, verify: bool | str | None) -> Any:

@@ -240,7 +240,7 @@ def test_s3_faults_lose_and_repeat_nothing_and_no_log_holds_a_signature(
             same_batches(take(dm, n), want)
         fetches = [line for line in log if any(f"/{s.name}" in line for s in index.shards)]
         assert {line.split()[0] for line in fetches} == {"GET"}  # no HEAD first: one request per attempt
-        assert all("Signature=" in line for line in fetches), fetches[:2]  # presigned
+        assert all("X-Amz-Algorithm=AWS4-HMAC-SHA256" in line for line in fetches), fetches[:2]  # presigned, SigV4
         assert sum(faults.done[k] for k in ("503", "reset", "truncate")) >= 3
         assert "retry" in caplog.text
         faults.rate, faults.kinds = 1.0, ("503",)
@@ -256,24 +256,31 @@ def test_s3_faults_lose_and_repeat_nothing_and_no_log_holds_a_signature(
 
 
 def test_a_store_that_refuses_presigned_urls_is_read_by_s3fs_transfer(data, tmp_path, monkeypatch, caplog):
-    """A 403 to a presigned GET (a store that refuses query signatures, a clock skew, another region) hands the
-    fetch to s3fs's own transfer, which signs its headers, and the process keeps using it; a missing key is still
-    gone."""
+    """A missing key answered to a presigned GET is gone (s3fs's transfer says so), and the host keeps its
+    presigned GETs. A 403 without an error code about the object (a store that refuses query signatures, a clock
+    skew, another region) hands the fetch to s3fs's own transfer, which signs its headers, and the process keeps
+    using it for that host."""
+    from nanovlm.data import presigned
+
+    monkeypatch.setattr(presigned, "_REFUSED", set())
     index = load_index(data / "a")
     faults = FaultPlan()
-    faults.refuse_presigned = True
     with s3_behind_a_proxy(monkeypatch, data, faults) as (bucket, log):
         urls = [f"s3://{bucket}/a/{s.name}" for s in index.shards]
         shards = {u: ShardInfo(s.size_bytes, s.crc32) for u, s in zip(urls, index.shards)}
         cache = ShardCache(tmp_path / "c", 10**9, shards | {urls[0] + ".gone": ShardInfo(1)}, FAST)
+        with pytest.raises(RemoteGoneError):
+            cache.open(urls[0] + ".gone")
+        assert ["Signature=" in line for line in log if line.startswith("GET")] == [True, False]  # then s3fs's
+        assert not presigned._REFUSED
+        log.clear()
+        faults.refuse_presigned = True
         with caplog.at_level(logging.WARNING, logger="nanovlm.data.presigned"):
             for u in urls:
                 assert cache.open(u).read() == (data / "a" / u.rsplit("/", 1)[1]).read_bytes()
         gets = [line.split()[1] for line in log if line.startswith("GET")]
         assert ["Signature=" in g for g in gets] == [True] + [False] * len(urls)  # one refusal, then s3fs's
         assert caplog.text.count("HTTP 403 to a presigned GET") == 1
-        with pytest.raises(RemoteGoneError):
-            cache.open(urls[0] + ".gone")
 
 
 def test_prepare_data_writes_to_s3(tmp_path, tiny_tokenizer, monkeypatch, capsys):
