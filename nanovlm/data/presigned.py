@@ -1,7 +1,7 @@
 """Whole S3 objects received by one plain HTTP GET of a presigned URL (urllib3) instead of s3fs's own transfer.
 
-Why: s3fs receives through aiobotocore and aiohttp, which costs a DataLoader worker about three times the CPU per
-MB of a plain GET (docs/remote.md#the-transfer), and every core-second a worker spends receiving is taken from
+Why: s3fs receives through aiobotocore and aiohttp, which costs a DataLoader worker more than twice the CPU per MB
+of a plain GET (docs/remote.md#the-transfer), and every core-second a worker spends receiving is taken from
 decoding images. s3fs still decides what makes the request right when it presigns the URL (endpoint, region,
 credentials and their refresh, addressing style), with SigV4: botocore presigns with SigV2 by default wherever a
 region still lists it, which newer buckets and many S3-compatible stores refuse. Only plain answers are handled
