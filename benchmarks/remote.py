@@ -1,6 +1,7 @@
 """The ``remote`` section: the DataModule reading a dataset from an S3 API server (moto's, on loopback) behind a
 proxy that adds a fixed latency to every request and caps the bandwidth, against the same shards on local disk,
-beside the peers (benchmarks/peers.py) reading the same samples from the same server.
+beside the peers (benchmarks/peers.py) reading the same samples from the same server. The server and the proxy run
+in a process of their own (``store``), as a store would, whose CPU each pass reports.
 
 Per row: samples/s over one epoch with ``workers`` DataLoader workers, with a cold cache (emptied before the
 pass) and a warm one (the pass after), prefetch on and off, and the bytes the proxy sent per epoch against the
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import http.client
+import os
 import shutil
 import threading
 import time
@@ -27,6 +29,8 @@ from typing import Any
 from benchmarks.common import Stats
 from benchmarks.workloads import data_config, demo_dirs
 
+CHUNK = 1 << 18  # the proxy's write size: the bandwidth cap is kept per chunk
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 HOP_HEADERS = {"connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade", "proxy-connection"}
 
 
@@ -108,10 +112,10 @@ def _handler(upstream: tuple[str, int], proxy: Proxy):
                 self.send_header("Content-Length", str(len(data)))
             self.end_headers()
             if self.command != "HEAD":
-                for i in range(0, len(data), 1 << 16):
-                    chunk = data[i : i + (1 << 16)]
-                    proxy.limit.take(len(chunk))
-                    self.wfile.write(chunk)
+                view = memoryview(data)  # slices without copies: the proxy stands for the network, not for work
+                for i in range(0, len(data), CHUNK):
+                    proxy.limit.take(len(view[i : i + CHUNK]))
+                    self.wfile.write(view[i : i + CHUNK])
             with proxy.lock:
                 proxy.requests += 1
                 proxy.bytes_out += len(data) if self.command != "HEAD" else 0
@@ -140,7 +144,6 @@ def s3_bucket(sources: dict[str, Path], extra: dict[str, Path] | None = None):
     """moto's S3 server with each ``sources`` directory uploaded to s3://BUCKET/ds, and each ``extra`` file to its
     BUCKET/KEY; yields (host, port)."""
     import logging
-    import os
 
     from moto.server import ThreadedMotoServer
 
@@ -148,27 +151,94 @@ def s3_bucket(sources: dict[str, Path], extra: dict[str, Path] | None = None):
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
     host, port = server.get_host_and_port()
-    env = {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench", "AWS_DEFAULT_REGION": "us-east-1"}
-    env["AWS_ENDPOINT_URL"] = f"http://{host}:{port}"
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    import fsspec
-
-    fs = fsspec.filesystem("s3", skip_instance_cache=True)
-    for bucket, local_dir in sources.items():
-        if not fs.exists(bucket):
-            fs.mkdir(bucket)
-        for p in sorted(local_dir.rglob("*")):
-            if p.is_file():
-                fs.put_file(str(p), f"{bucket}/ds/{p.relative_to(local_dir).as_posix()}")
-    for key, p in (extra or {}).items():
-        fs.put_file(str(p), key)
     try:
-        yield host, port
+        with aws_env(f"http://{host}:{port}"):
+            import fsspec
+
+            fs = fsspec.filesystem("s3", skip_instance_cache=True)
+            for bucket, local_dir in sources.items():
+                if not fs.exists(bucket):
+                    fs.mkdir(bucket)
+                for p in sorted(local_dir.rglob("*")):
+                    if p.is_file():
+                        fs.put_file(str(p), f"{bucket}/ds/{p.relative_to(local_dir).as_posix()}")
+            for key, p in (extra or {}).items():
+                fs.put_file(str(p), key)
+            yield host, port
     finally:
         server.stop()
-        for k, v in saved.items():  # the caller's environment as it was
+
+
+@contextlib.contextmanager
+def aws_env(endpoint: str):
+    """The benchmark's S3 credentials and ``endpoint`` in this process's environment, restored afterwards."""
+    env = {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench", "AWS_DEFAULT_REGION": "us-east-1"}
+    env["AWS_ENDPOINT_URL"] = endpoint
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
             os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+
+
+def _serve(conn: Any, sources: dict[str, Path], extra: dict[str, Path], latencies: tuple, bandwidth: float) -> None:
+    """The store's process (``store``): moto's S3 server and a slow proxy per latency, answering ``bytes`` (what
+    each proxy sent so far) until told anything else."""
+    with s3_bucket(sources, extra) as upstream, contextlib.ExitStack() as stack:
+        proxies = {ms: stack.enter_context(slow_proxy(upstream, ms, bandwidth)) for ms in latencies}
+        conn.send((upstream, {ms: url for ms, (url, _) in proxies.items()}))
+        while conn.recv() == "bytes":
+            conn.send({ms: counters.bytes_out for ms, (_, counters) in proxies.items()})
+
+
+@dataclass
+class Store:
+    """The S3 server and its proxies, running in a child process: what a pass costs the store is that process's
+    CPU, and its threads never hold the measuring process's interpreter lock (a store on another machine does
+    neither). The endpoint in this process's environment is the server itself, without a proxy."""
+
+    pid: int
+    conn: Any
+    upstream: tuple[str, int]
+    urls: dict[int, str]  # latency ms -> its proxy's URL
+
+    def bytes_out(self, latency: int) -> int:
+        """What the proxy of ``latency`` has sent so far."""
+        self.conn.send("bytes")
+        return self.conn.recv()[latency]
+
+    def cpu_s(self) -> float:
+        """The store process's CPU seconds so far (all its threads, user and system)."""
+        fields = Path(f"/proc/{self.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS
+
+
+@contextlib.contextmanager
+def store(sources: dict[str, Path], extra: dict[str, Path], latencies: tuple, bandwidth_mb_s: float):
+    """``s3_bucket`` and one ``slow_proxy`` per latency in a child process; yields its Store."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")  # a fresh interpreter: nothing of this process's threads or imports
+    conn, child = ctx.Pipe()
+    proc = ctx.Process(target=_serve, args=(child, sources, extra, latencies, bandwidth_mb_s), daemon=True)
+    proc.start()
+    try:
+        if not conn.poll(600):
+            raise RuntimeError("the S3 server's process did not start within 600 s")
+        try:
+            upstream, urls = conn.recv()
+        except EOFError:
+            raise RuntimeError(f"the S3 server's process failed (exit code {proc.join(10) or proc.exitcode})") from None
+        with aws_env("http://{}:{}".format(*upstream)):
+            yield Store(proc.pid, conn, upstream, urls)
+    finally:
+        with contextlib.suppress(OSError):
+            conn.send("stop")
+        proc.join(30)
+        if proc.is_alive():
+            proc.kill()
 
 
 def epoch_rate(cfg, tokenizer) -> dict[str, Any]:
@@ -185,7 +255,7 @@ def epoch_rate(cfg, tokenizer) -> dict[str, Any]:
     metas += [next(it)["meta"] for _ in range(n_batches - 1)]
     dt = time.perf_counter() - t0
     samples = sum(m["n_samples"] for m in metas[1:])
-    cpu = time.process_time() - cpu0  # this process: the loader's main side, plus the S3 server and proxy threads
+    cpu = time.process_time() - cpu0  # this process: the loader's main side
     del it
     return {
         "samples": samples,
@@ -227,6 +297,7 @@ class Rows(list):
                 "of_local": Stats.of([r["samples_per_s"] / r["local"] for r in runs]).to_dict(),
                 "first_batch_s": Stats.of([r["first_batch_s"] for r in runs]).to_dict(),
                 "main_cpu_s": Stats.of([r["main_cpu_s"] for r in runs]).to_dict(),
+                "store_cpu_s": Stats.of([r["store_cpu_s"] for r in runs]).to_dict(),
                 "wait_s": Stats.of([r.get("wait_s", 0.0) for r in runs]).to_dict(),
                 "bytes_per_epoch": (sum(sent) / len(sent)) if sent else None,
                 "runs": [r["samples_per_s"] for r in runs],
@@ -277,22 +348,29 @@ class Readers:
         """Each reader's own cache directory: one reader's warm pass never finds another's copies."""
         return self.cache / name.replace(", ", "_").replace(" ", "_")
 
-    def run_round(self, runs: dict[tuple, list], latency: int, url: str, proxy: Proxy, flip: bool) -> None:
+    def run_round(self, runs: dict[tuple, list], latency: int, store: Store, flip: bool) -> None:
         """One pass of every reader from local disk, then a cold one of each (its cache emptied first), then a warm
         one of each: the passes of one row lie seconds apart, so the ratios between readers (and to their own local
         pass) are not swamped by the machine's drift over minutes. ``flip`` reverses the readers' order (every other
         round), so none always goes first."""
         names = self.names()[::-1] if flip else self.names()
-        local = {n: self.epoch(n, None) for n in dict.fromkeys(map(self.local_of, names))}
+        local = {n: self._pass(n, None, store) for n in dict.fromkeys(map(self.local_of, names))}
         for n, r in local.items():
             runs.setdefault((n, None, None), []).append(r | {"local": r["samples_per_s"]})
         for cold in (True, False):
             for n in names:
                 if cold:
                     shutil.rmtree(self.cache_of(n), ignore_errors=True)
-                before = proxy.bytes_out
-                r = self.epoch(n, url) | {"local": local[self.local_of(n)]["samples_per_s"]}
-                runs.setdefault((n, latency, cold), []).append(r | ({"sent": proxy.bytes_out - before} if cold else {}))
+                before = store.bytes_out(latency)
+                r = self._pass(n, latency, store) | {"local": local[self.local_of(n)]["samples_per_s"]}
+                sent = store.bytes_out(latency) - before
+                runs.setdefault((n, latency, cold), []).append(r | ({"sent": sent} if cold else {}))
+
+    def _pass(self, name: str, latency: int | None, store: Store) -> dict[str, Any]:
+        """``epoch`` (from local disk where ``latency`` is None), with the store's CPU seconds during it."""
+        cpu0 = store.cpu_s()
+        r = self.epoch(name, None if latency is None else store.urls[latency])
+        return r | {"store_cpu_s": store.cpu_s() - cpu0}
 
 
 GET_FILE, PRESIGNED = "s3fs get_file", "presigned GET (ours)"
@@ -366,17 +444,17 @@ def measure(args: argparse.Namespace, log=print) -> dict[str, Any]:
     with open(big, "wb") as f:
         for s in index.shards[: max(1, len(index.shards) // 2)]:
             f.write((source / s.name).read_bytes())
-    with s3_bucket({"bench": source, **peer.dirs}, extra={"bench/transfer/big.bin": big}) as upstream:
+    sources, extra = {"bench": source, **peer.dirs}, {"bench/transfer/big.bin": big}
+    with store(sources, extra, plan.latencies_ms, plan.bandwidth_mb_s) as s3:
         shard_urls = [f"s3://bench/ds/{s.name}" for s in index.shards[: plan.transfer_shards]]
         transfer = transfer_cpu(shard_urls, "s3://bench/transfer/big.bin", big.stat().st_size, big.parent, plan.reps)
         per_shard = ", ".join(f"{k} {v['shard_ms']['median']:.1f} ms" for k, v in transfer.items())
         log(f"[remote] transfer CPU per shard: {per_shard}")
         for latency in plan.latencies_ms:
-            with slow_proxy(upstream, latency, plan.bandwidth_mb_s) as (url, proxy):
-                fsspec.config.conf["s3"] = {"endpoint_url": url}  # a new client (another cache key) per proxy
-                for i in range(plan.reps):
-                    readers.run_round(runs, latency, url, proxy, flip=i % 2 == 1)
-                log(f"[remote] +{latency} ms: {plan.reps} rounds")
+            fsspec.config.conf["s3"] = {"endpoint_url": s3.urls[latency]}  # a new client (cache key) per proxy
+            for i in range(plan.reps):
+                readers.run_round(runs, latency, s3, flip=i % 2 == 1)
+            log(f"[remote] +{latency} ms: {plan.reps} rounds")
     fsspec.config.conf.pop("s3", None)
     shutil.rmtree(readers.cache, ignore_errors=True)
     big_bytes = big.stat().st_size

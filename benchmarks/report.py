@@ -566,9 +566,8 @@ def render_remote(result: dict) -> str:
         f"S3 server behind a proxy adding the latency to every request with {plan['bandwidth_mb_s']:.0f} MB/s "
         "shared. Cold: cache emptied before the epoch; warm: the epoch after. One epoch per pass, first batch "
         f"excluded, in {plan['reps']} rounds (every loader local, then cold, then warm); *of local*: each pass "
-        "against the local pass of its round (median [min-max]); *server CPU s*: CPU time of the benchmark's own "
-        "process in the epoch, where the S3 server and the proxy run beside the loader's main side (on the same "
-        "cores as the workers); *wait s*: "
+        "against the local pass of its round (median [min-max]); *store CPU s*: CPU time of the S3 server's and "
+        "proxy's process during the pass (its own process, on the same cores as the workers); *wait s*: "
         "what the workers spent opening shards after each one's first batch, summed (fetching one, or waiting on "
         "its prefetch); *bytes/epoch* counts what the proxy sent (index included)."
     )
@@ -584,7 +583,7 @@ def render_remote(result: dict) -> str:
                 Stats(**sps).fmt(0),
                 f"{Stats(**r['of_local']).fmt(1, 100)}%",
                 f"{r['first_batch_s']['median']:.2f}",
-                f"{r['main_cpu_s']['median']:.1f}",
+                f"{r['store_cpu_s']['median']:.2f}",
                 "" if r["latency_ms"] is None else f"{r['wait_s']['median']:.2f}",
                 "" if sent is None else f"{sent / result['dataset_bytes']:.3f}",
             ]
@@ -597,7 +596,7 @@ def render_remote(result: dict) -> str:
                 "samples/s",
                 "of local",
                 "first batch s",
-                "server CPU s",
+                "store CPU s",
                 "wait s",
                 "bytes/epoch / dataset",
             ],

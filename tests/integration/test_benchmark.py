@@ -301,7 +301,7 @@ def test_peer_table_pairs_passes_of_the_same_round():
     from benchmarks.report import render_peers
 
     def run(rate: float, local: float, sent: int | None = None) -> dict:
-        r = {"samples_per_s": rate, "local": local, "first_batch_s": 0.1, "main_cpu_s": 0.5}
+        r = {"samples_per_s": rate, "local": local, "first_batch_s": 0.1, "main_cpu_s": 0.5, "store_cpu_s": 0.1}
         return r if sent is None else r | {"sent": sent}
 
     ours, theirs = Rows(lambda _: None), Rows(lambda _: None)
