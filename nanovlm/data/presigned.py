@@ -32,8 +32,6 @@ RETRY_STATUSES = frozenset({429, 500, 502, 503, 504})
 _POOLS: dict[tuple, Any] = {}  # (proxy, verify) -> urllib3 pool manager of this process
 GONE_CODES = frozenset({"NoSuchKey", "NoSuchBucket", "AccessDenied"})  # S3 error codes about the object, not the URL
 _REFUSED: set[str] = set()  # hosts (scheme://host:port) that refused a presigned GET: s3fs's transfer from then on
-_PROXIES: dict[tuple, str | None] = {}  # (scheme, host, the proxy variables' values) -> the proxy URL, or None
-PROXY_VARS = ("http_proxy", "HTTP_PROXY", "https_proxy", "HTTPS_PROXY", "no_proxy", "NO_PROXY", "REQUEST_METHOD")
 os.register_at_fork(after_in_child=_POOLS.clear)  # connections never cross a fork
 
 
@@ -107,7 +105,10 @@ def _pool(url: str, verify: bool | str | None) -> Any:
     botocore also uses, else the system's)."""
     import urllib3
 
-    proxy = _proxy_for(urlsplit(url))
+    parts = urlsplit(url)
+    proxy = urllib.request.getproxies().get(parts.scheme)
+    if proxy and urllib.request.proxy_bypass(parts.hostname or ""):
+        proxy = None
     pool = _POOLS.get((proxy, verify))
     if pool is None:
         tls: dict[str, Any] = {"cert_reqs": "CERT_NONE"} if verify is False else {"ca_certs": verify or _ca_bundle()}
@@ -120,19 +121,6 @@ def _pool(url: str, verify: bool | str | None) -> Any:
         )
         _POOLS[(proxy, verify)] = pool
     return pool
-
-
-def _proxy_for(parts: Any) -> str | None:
-    """The proxy the environment names for a URL (split), as urllib's ``getproxies``/``proxy_bypass`` say; kept
-    per host and values of the proxy variables, because those read the whole environment, which costs a worker
-    more CPU per shard than the rest of the request's set-up."""
-    key = (parts.scheme, parts.hostname, tuple(os.environ.get(k) for k in PROXY_VARS))
-    if key not in _PROXIES:
-        proxy = urllib.request.getproxies().get(parts.scheme)
-        if proxy and urllib.request.proxy_bypass(parts.hostname or ""):
-            proxy = None
-        _PROXIES[key] = proxy
-    return _PROXIES[key]
 
 
 def _proxy_headers(proxy: str) -> dict[str, str] | None:
