@@ -20,9 +20,10 @@ import os
 import shutil
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +31,6 @@ from benchmarks.common import Stats
 from benchmarks.workloads import data_config, demo_dirs
 
 CHUNK = 1 << 18  # the proxy's write size: the bandwidth cap is kept per chunk
-_CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 HOP_HEADERS = {"connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade", "proxy-connection"}
 
 
@@ -114,8 +114,9 @@ def _handler(upstream: tuple[str, int], proxy: Proxy):
             if self.command != "HEAD":
                 view = memoryview(data)  # slices without copies: the proxy stands for the network, not for work
                 for i in range(0, len(data), CHUNK):
-                    proxy.limit.take(len(view[i : i + CHUNK]))
-                    self.wfile.write(view[i : i + CHUNK])
+                    chunk = view[i : i + CHUNK]
+                    proxy.limit.take(len(chunk))
+                    self.wfile.write(chunk)
             with proxy.lock:
                 proxy.requests += 1
                 proxy.bytes_out += len(data) if self.command != "HEAD" else 0
@@ -183,14 +184,16 @@ def aws_env(endpoint: str):
             os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
 
 
-def _serve(conn: Any, sources: dict[str, Path], extra: dict[str, Path], latencies: tuple, bandwidth: float) -> None:
-    """The store's process (``store``): moto's S3 server and a slow proxy per latency, answering ``bytes`` (what
-    each proxy sent so far) until told anything else."""
+def _serve(
+    conn: Connection, sources: dict[str, Path], extra: dict[str, Path], latencies: tuple[int, ...], bandwidth: float
+) -> None:
+    """The store's process (``store``): moto's S3 server and a slow proxy per latency, answering each ``stats``
+    with what each proxy has sent and this process's CPU seconds so far, until told anything else."""
     with s3_bucket(sources, extra) as upstream, contextlib.ExitStack() as stack:
         proxies = {ms: stack.enter_context(slow_proxy(upstream, ms, bandwidth)) for ms in latencies}
         conn.send((upstream, {ms: url for ms, (url, _) in proxies.items()}))
-        while conn.recv() == "bytes":
-            conn.send({ms: counters.bytes_out for ms, (_, counters) in proxies.items()})
+        while conn.recv() == "stats":
+            conn.send(({ms: counters.bytes_out for ms, (_, counters) in proxies.items()}, time.process_time()))
 
 
 @dataclass
@@ -199,43 +202,45 @@ class Store:
     CPU, and its threads never hold the measuring process's interpreter lock (a store on another machine does
     neither). The endpoint in this process's environment is the server itself, without a proxy."""
 
-    pid: int
-    conn: Any
-    upstream: tuple[str, int]
+    proc: Any  # its multiprocessing Process
+    conn: Connection
     urls: dict[int, str]  # latency ms -> its proxy's URL
 
-    def bytes_out(self, latency: int) -> int:
-        """What the proxy of ``latency`` has sent so far."""
-        self.conn.send("bytes")
-        return self.conn.recv()[latency]
-
-    def cpu_s(self) -> float:
-        """The store process's CPU seconds so far (all its threads, user and system)."""
-        fields = Path(f"/proc/{self.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS
+    def stats(self) -> tuple[dict[int, int], float]:
+        """(bytes each proxy has sent, by latency; the store process's CPU seconds), so far."""
+        self.conn.send("stats")
+        if not self.conn.poll(60) or not self.proc.is_alive():
+            raise RuntimeError(f"the S3 server's process stopped answering (exit code {self.proc.exitcode})")
+        return self.conn.recv()
 
 
 @contextlib.contextmanager
-def store(sources: dict[str, Path], extra: dict[str, Path], latencies: tuple, bandwidth_mb_s: float):
+def store(
+    sources: dict[str, Path], extra: dict[str, Path], latencies: tuple[int, ...], bandwidth_mb_s: float
+) -> Iterator[Store]:
     """``s3_bucket`` and one ``slow_proxy`` per latency in a child process; yields its Store."""
     import multiprocessing as mp
+    from multiprocessing.connection import wait
 
     ctx = mp.get_context("spawn")  # a fresh interpreter: nothing of this process's threads or imports
     conn, child = ctx.Pipe()
     proc = ctx.Process(target=_serve, args=(child, sources, extra, latencies, bandwidth_mb_s), daemon=True)
     proc.start()
+    child.close()  # the child's end lives in the child only: its exit is then an EOF here, never a silent wait
     try:
-        if not conn.poll(600):
+        if not wait([conn, proc.sentinel], 600):
             raise RuntimeError("the S3 server's process did not start within 600 s")
         try:
             upstream, urls = conn.recv()
         except EOFError:
-            raise RuntimeError(f"the S3 server's process failed (exit code {proc.join(10) or proc.exitcode})") from None
+            proc.join(10)
+            raise RuntimeError(f"the S3 server's process failed (exit code {proc.exitcode})") from None
         with aws_env("http://{}:{}".format(*upstream)):
-            yield Store(proc.pid, conn, upstream, urls)
+            yield Store(proc, conn, urls)
     finally:
         with contextlib.suppress(OSError):
             conn.send("stop")
+        conn.close()
         proc.join(30)
         if proc.is_alive():
             proc.kill()
@@ -249,20 +254,18 @@ def epoch_rate(cfg, tokenizer) -> dict[str, Any]:
     dm.setup("fit")
     n_batches = dm.current_split().batches_per_rank()
     it = iter(dm.train_dataloader())
-    t_first, cpu0 = time.perf_counter(), time.process_time()
+    t_first = time.perf_counter()
     metas = [next(it)["meta"]]
     t0 = time.perf_counter()
     metas += [next(it)["meta"] for _ in range(n_batches - 1)]
     dt = time.perf_counter() - t0
     samples = sum(m["n_samples"] for m in metas[1:])
-    cpu = time.process_time() - cpu0  # this process: the loader's main side
     del it
     return {
         "samples": samples,
         "seconds": dt,
         "first_batch_s": t0 - t_first,
         "samples_per_s": samples / dt,
-        "main_cpu_s": cpu,
         "wait_s": _wait_after_first_batch(metas),
     }
 
@@ -296,7 +299,6 @@ class Rows(list):
                 "samples_per_s": Stats.of([r["samples_per_s"] for r in runs]).to_dict(),
                 "of_local": Stats.of([r["samples_per_s"] / r["local"] for r in runs]).to_dict(),
                 "first_batch_s": Stats.of([r["first_batch_s"] for r in runs]).to_dict(),
-                "main_cpu_s": Stats.of([r["main_cpu_s"] for r in runs]).to_dict(),
                 "store_cpu_s": Stats.of([r["store_cpu_s"] for r in runs]).to_dict(),
                 "wait_s": Stats.of([r.get("wait_s", 0.0) for r in runs]).to_dict(),
                 "bytes_per_epoch": (sum(sent) / len(sent)) if sent else None,
@@ -361,16 +363,21 @@ class Readers:
             for n in names:
                 if cold:
                     shutil.rmtree(self.cache_of(n), ignore_errors=True)
-                before = store.bytes_out(latency)
                 r = self._pass(n, latency, store) | {"local": local[self.local_of(n)]["samples_per_s"]}
-                sent = store.bytes_out(latency) - before
-                runs.setdefault((n, latency, cold), []).append(r | ({"sent": sent} if cold else {}))
+                if not cold:
+                    del r["sent"]  # bytes per epoch: the cold pass's
+                runs.setdefault((n, latency, cold), []).append(r)
 
     def _pass(self, name: str, latency: int | None, store: Store) -> dict[str, Any]:
-        """``epoch`` (from local disk where ``latency`` is None), with the store's CPU seconds during it."""
-        cpu0 = store.cpu_s()
+        """``epoch`` (from local disk where ``latency`` is None), with the store's CPU seconds during it and the
+        bytes its proxy sent."""
+        sent0, cpu0 = store.stats()
         r = self.epoch(name, None if latency is None else store.urls[latency])
-        return r | {"store_cpu_s": store.cpu_s() - cpu0}
+        sent1, cpu1 = store.stats()
+        r["store_cpu_s"] = cpu1 - cpu0
+        if latency is not None:
+            r["sent"] = sent1[latency] - sent0[latency]
+        return r
 
 
 GET_FILE, PRESIGNED = "s3fs get_file", "presigned GET (ours)"
@@ -397,9 +404,14 @@ def _fetch_cpu(how: str, urls: list[str], dest: str, out: Any) -> None:
 def transfer_cpu(shards: list[str], big: str, big_bytes: int, work: Path, reps: int) -> dict[str, Any]:
     """What receiving costs the reader's process, by s3fs's own transfer and by the presigned GET the shard cache
     uses (data/presigned.py), straight from the S3 server (no proxy): the CPU of the first fetch of a fresh
-    process (client set-up included), of each further shard, and per MB of one large object (``big``)."""
+    process forked after this one used S3 (the fork's own client set-up included), of each further shard, and per
+    MB of one large object (``big``)."""
     import multiprocessing as mp
 
+    from nanovlm.data.remote import filesystem
+
+    fs, path = filesystem(shards[0])
+    fs.size(path)  # a DataLoader worker is forked from a trainer that has read its index over S3: s3fs imported
     ctx, rows = mp.get_context("fork"), {}
     for how in (GET_FILE, PRESIGNED):
         first, per_shard, per_mb = [], [], []

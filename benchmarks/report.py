@@ -615,10 +615,11 @@ def render_transfer(result: dict) -> str:
     t = result["transfer"]
     md = ["### The transfer", ""]
     md.append(
-        f"CPU time of a fresh process (as a DataLoader worker is) fetching {t['shards']} shards one after another "
+        "CPU time of a process forked from one that has used S3 (as a DataLoader worker is forked from a trainer "
+        f"that has read its index) fetching {t['shards']} shards one after another "
         f"({result['dataset_bytes'] / result['shards'] / 1e6:.1f} MB each), then one {t['big_bytes'] / 1e6:.0f} MB "
         f"object, straight from the S3 server; {result['plan']['reps']} processes each, median [min-max]. *first "
-        "fetch*: includes the client's set-up."
+        "fetch*: includes the process's own client set-up."
     )
     md.append("")
     rows = [
@@ -644,7 +645,8 @@ def render_peers(result: dict) -> str:
         f"collated in the workers; {result['plan']['reps']} rounds, as for ours (medians; *of local*: against "
         "that loader's local pass of the same round). megatron-energon reads S3 through multi-storage-client (its "
         "cache on for cold and warm), LitData through its own chunk cache. *bytes/epoch*: what the proxy sent in "
-        "the cold epoch, against that loader's own dataset size. *ours / peer*: our pass over the peer's pass of "
+        "the cold epoch, against that loader's own dataset size; *store CPU*: the store process's CPU seconds in "
+        "the cold epoch (server and proxy: what this loader's requests cost them). *ours / peer*: our pass over the peer's pass of "
         "the same row and round, seconds apart (median [min-max] over the rounds)."
     )
     md.append("")
@@ -656,7 +658,7 @@ def render_peers(result: dict) -> str:
     def cell(r: dict, size: float) -> str:
         sent = r["bytes_per_epoch"]
         text = f"{r['samples_per_s']['median']:.0f} ({r['of_local']['median'] * 100:.0f}%"
-        return text + ("" if sent is None else f", {sent / size:.2f}x") + ")"
+        return text + ("" if sent is None else f", {sent / size:.2f}x, {r['store_cpu_s']['median']:.2f} s") + ")"
 
     def paired(mine: dict, peer: dict) -> str:
         return Stats.of([a / b for a, b in zip(mine["runs"], peer["runs"], strict=True)]).fmt(2)
@@ -667,8 +669,9 @@ def render_peers(result: dict) -> str:
             r = theirs.get(f"{n}: {name}")
             cells += ["", ""] if r is None else [cell(r, peers["prepared"][n]["bytes"]), paired(ours[name], r)]
         rows.append(cells)
-    heads = [h for n in names for h in (f"{n}, samples/s (of local, bytes/epoch)", f"ours / {n}")]
-    md.append(markdown_table(["source", "ours, samples/s (of local, bytes/epoch)", *heads], rows))
+    what = "samples/s (of local, bytes/epoch, store CPU)"
+    heads = [h for n in names for h in (f"{n}, {what}", f"ours / {n}")]
+    md.append(markdown_table(["source", f"ours, {what}", *heads], rows))
     return "\n".join(md)
 
 
