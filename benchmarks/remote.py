@@ -404,14 +404,12 @@ def _fetch_cpu(how: str, urls: list[str], dest: str, out: Any) -> None:
 def transfer_cpu(shards: list[str], big: str, big_bytes: int, work: Path, reps: int) -> dict[str, Any]:
     """What receiving costs the reader's process, by s3fs's own transfer and by the presigned GET the shard cache
     uses (data/presigned.py), straight from the S3 server (no proxy): the CPU of the first fetch of a fresh
-    process forked after this one used S3 (the fork's own client set-up included), of each further shard, and per
-    MB of one large object (``big``)."""
+    process forked after s3fs is imported (its own client set-up included), of each further shard, and per MB of
+    one large object (``big``)."""
     import multiprocessing as mp
 
-    from nanovlm.data.remote import filesystem
+    import s3fs  # noqa: F401 - imported before the forks, as in a trainer that has read its index over S3
 
-    fs, path = filesystem(shards[0])
-    fs.size(path)  # a DataLoader worker is forked from a trainer that has read its index over S3: s3fs imported
     ctx, rows = mp.get_context("fork"), {}
     for how in (GET_FILE, PRESIGNED):
         first, per_shard, per_mb = [], [], []

@@ -615,8 +615,8 @@ def render_transfer(result: dict) -> str:
     t = result["transfer"]
     md = ["### The transfer", ""]
     md.append(
-        "CPU time of a process forked from one that has used S3 (as a DataLoader worker is forked from a trainer "
-        f"that has read its index) fetching {t['shards']} shards one after another "
+        "CPU time of a fresh process forked after s3fs was imported (as a DataLoader worker is forked from a "
+        f"trainer that has read its index over S3) fetching {t['shards']} shards one after another "
         f"({result['dataset_bytes'] / result['shards'] / 1e6:.1f} MB each), then one {t['big_bytes'] / 1e6:.0f} MB "
         f"object, straight from the S3 server; {result['plan']['reps']} processes each, median [min-max]. *first "
         "fetch*: includes the process's own client set-up."
