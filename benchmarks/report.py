@@ -646,8 +646,8 @@ def render_peers(result: dict) -> str:
         "that loader's local pass of the same round). megatron-energon reads S3 through multi-storage-client (its "
         "cache on for cold and warm), LitData through its own chunk cache. *bytes/epoch*: what the proxy sent in "
         "the cold epoch, against that loader's own dataset size; *store CPU*: the store process's CPU seconds in "
-        "the cold epoch (server and proxy: what this loader's requests cost them). *ours / peer*: our pass over the peer's pass of "
-        "the same row and round, seconds apart (median [min-max] over the rounds)."
+        "the cold epoch (server and proxy: what this loader's requests cost them). *ours / peer*: our pass over "
+        "the peer's pass of the same row and round, seconds apart (median [min-max] over the rounds)."
     )
     md.append("")
     ours = {r["name"]: r for r in result["rows"] if r["prefetch"] in (True, None)}

@@ -10,6 +10,7 @@ import json
 import math
 import os
 import subprocess
+import time
 
 import pytest
 from helpers import REPO
@@ -281,6 +282,23 @@ def test_remote_section_reads_from_s3_behind_a_slow_proxy(tmp_path, make_dataset
     assert set(transfer["rows"]) == {GET_FILE, PRESIGNED} and 0 < transfer["big_bytes"] < doc["dataset_bytes"]
     for row in transfer["rows"].values():
         assert row["shard_ms"]["n"] == 5 and min(s["min"] for s in row.values()) > 0
+
+
+def test_a_store_that_fails_is_an_error_at_once(tmp_path):
+    """The benchmark's store (S3 server and proxies in a child process) that dies while starting, or later, is a
+    named error within seconds, never a wait on its pipe."""
+    pytest.importorskip("moto")
+    from benchmarks.remote import store
+
+    t0 = time.monotonic()
+    missing = {"b/missing": tmp_path / "missing.bin"}  # its upload fails
+    with pytest.raises(RuntimeError, match="process failed"), store({}, missing, (0,), 100.0):
+        pass
+    with pytest.raises(RuntimeError, match="stopped answering"), store({}, {}, (0,), 100.0) as s3:
+        assert s3.stats()[0] == {0: 0}
+        s3.proc.kill()
+        s3.stats()
+    assert time.monotonic() - t0 < 120
 
 
 def test_wait_is_counted_per_worker_from_its_first_batch():
