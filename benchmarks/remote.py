@@ -5,11 +5,11 @@ in a process of their own (``store``), as a store would, whose CPU each pass rep
 
 Per row: samples/s over one epoch with ``workers`` DataLoader workers, with a cold cache (emptied before the
 pass) and a warm one (the pass after), prefetch on and off, and the bytes the proxy sent per epoch against the
-dataset's size. The passes run in rounds (``Readers.run_round``): every reader from local disk, then cold, then
-warm, so each remote pass is compared with its own reader's local pass of the same round and with the other
-readers' passes of the same row seconds apart; this machine's speed moves by up to a third from one pass to the
-next and drifts over minutes. Each pass starts fresh DataLoader workers; the epoch's first batch is excluded from
-the timing in every row alike (worker start)."""
+dataset's size. The passes run in rounds (``Readers.run_round``): every reader cold, then every reader warm, each
+round between two passes of every reader from local disk (``Readers.local_round``), so each remote pass is compared
+with its own reader's local rate at that moment (``bracketed``) and with the other readers' passes of the same row
+seconds apart: this machine's speed drifts by up to a third over minutes. Each pass starts fresh DataLoader
+workers; the epoch's first batch is excluded from the timing in every row alike (worker start)."""
 
 from __future__ import annotations
 
@@ -314,6 +314,23 @@ class Rows(list):
 OURS, OURS_NO_PREFETCH = "ours", "ours, prefetch off"
 
 
+def local_of(name: str) -> str:
+    """The reader whose local passes ``name``'s remote passes are compared with (prefetch is moot on disk)."""
+    return OURS if name == OURS_NO_PREFETCH else name
+
+
+def bracketed(runs: dict[tuple, list], brackets: list[dict[str, tuple[float, float]]]) -> None:
+    """Set each remote pass's ``local``: its reader's local rate at the pass's time, interpolated between the local
+    passes before and after its round (``brackets[i]``: reader -> (time, samples/s) of the i-th local round). The
+    machine's drift over the minute between them is then in both sides of the ratio, not in one."""
+    for (name, latency, _), passes in runs.items():
+        if latency is None:
+            continue
+        for r in passes:
+            (t0, r0), (t1, r1) = (brackets[i][local_of(name)] for i in (r["after"], r["after"] + 1))
+            r["local"] = r0 + (r1 - r0) * (r["t"] - t0) / (t1 - t0)
+
+
 @dataclass
 class Readers:
     """Every loader the section times: ours with prefetch on and off, and the peers that import here. Each reads
@@ -325,14 +342,13 @@ class Readers:
     workers: int
     cache: Path
     peer: Peers
+    brackets: list[dict[str, tuple[float, float]]] = field(default_factory=list)  # see ``local_round``
 
-    def names(self) -> list[str]:
-        """The readers, in the order of a round."""
-        return [OURS, OURS_NO_PREFETCH, *self.peer.dirs]
-
-    def local_of(self, name: str) -> str:
-        """The reader whose local pass ``name``'s remote passes are compared with (prefetch is moot on disk)."""
-        return OURS if name == OURS_NO_PREFETCH else name
+    def names(self, flip: bool = False) -> list[str]:
+        """The readers, in the order of a round (reversed when ``flip``: every other round, so none always goes
+        first)."""
+        names = [OURS, OURS_NO_PREFETCH, *self.peer.dirs]
+        return names[::-1] if flip else names
 
     def epoch(self, name: str, url: str | None) -> dict[str, Any]:
         """One epoch of reader ``name``: from local disk, or from S3 through the proxy at ``url``."""
@@ -353,29 +369,35 @@ class Readers:
         """Each reader's own cache directory: one reader's warm pass never finds another's copies."""
         return self.cache / name.replace(", ", "_").replace(" ", "_")
 
-    def run_round(self, runs: dict[tuple, list], latency: int, store: Store, flip: bool) -> None:
-        """One pass of every reader from local disk, then a cold one of each (its cache emptied first), then a warm
-        one of each: the passes of one row lie seconds apart, so the ratios between readers (and to their own local
-        pass) are not swamped by the machine's drift over minutes. ``flip`` reverses the readers' order (every other
-        round), so none always goes first."""
-        names = self.names()[::-1] if flip else self.names()
-        local = {n: self._pass(n, None, store) for n in dict.fromkeys(map(self.local_of, names))}
-        for n, r in local.items():
+    def local_round(self, runs: dict[tuple, list], store: Store) -> None:
+        """One pass of every reader from local disk: the bracket that closes one round and opens the next."""
+        rates = {}
+        for n in dict.fromkeys(map(local_of, self.names(flip=len(self.brackets) % 2 == 1))):
+            r = self._pass(n, None, store)
             runs.setdefault((n, None, None), []).append(r | {"local": r["samples_per_s"]})
+            rates[n] = (r["t"], r["samples_per_s"])
+        self.brackets.append(rates)
+
+    def run_round(self, runs: dict[tuple, list], latency: int, store: Store, flip: bool) -> None:
+        """A cold pass of every reader (its cache emptied first), then a warm one of each, after a ``local_round``
+        (and before the next): the passes of one row lie seconds apart, so the ratios between readers are not
+        swamped by the machine's drift over minutes, nor their ratios to local disk (``bracketed``)."""
         for cold in (True, False):
-            for n in names:
+            for n in self.names(flip):
                 if cold:
                     shutil.rmtree(self.cache_of(n), ignore_errors=True)
-                r = self._pass(n, latency, store) | {"local": local[self.local_of(n)]["samples_per_s"]}
+                r = self._pass(n, latency, store) | {"after": len(self.brackets) - 1}
                 if not cold:
                     del r["sent"]  # bytes per epoch: the cold pass's
                 runs.setdefault((n, latency, cold), []).append(r)
 
     def _pass(self, name: str, latency: int | None, store: Store) -> dict[str, Any]:
-        """``epoch`` (from local disk where ``latency`` is None), with the store's CPU seconds during it and the
-        bytes its proxy sent."""
+        """``epoch`` (from local disk where ``latency`` is None), with its time (the middle of the pass), the
+        store's CPU seconds during it and the bytes its proxy sent."""
         sent0, cpu0 = store.stats()
+        t0 = time.perf_counter()
         r = self.epoch(name, None if latency is None else store.urls[latency])
+        r["t"] = (t0 + time.perf_counter()) / 2
         sent1, cpu1 = store.stats()
         r["store_cpu_s"] = cpu1 - cpu0
         if latency is not None:
@@ -442,7 +464,7 @@ def measure(args: argparse.Namespace, log=print) -> dict[str, Any]:
     from nanovlm.data.tokenizer import load_tokenizer
 
     plan = RemotePlan.quick() if args.quick else RemotePlan()
-    plan.reps = min(plan.reps, args.reps)  # --reps lowers it
+    plan.reps = min(plan.reps, args.reps) if args.quick else args.reps
     cfg = data_config(args, plan.workers)
     if not args.data:
         demo_dirs(cfg)
@@ -463,11 +485,14 @@ def measure(args: argparse.Namespace, log=print) -> dict[str, Any]:
         transfer = transfer_cpu(shard_urls, "s3://bench/transfer/big.bin", big.stat().st_size, big.parent, plan.reps)
         per_shard = ", ".join(f"{k} {v['shard_ms']['median']:.1f} ms" for k, v in transfer.items())
         log(f"[remote] transfer CPU per shard: {per_shard}")
+        readers.local_round(runs, s3)
         for latency in plan.latencies_ms:
             fsspec.config.conf["s3"] = {"endpoint_url": s3.urls[latency]}  # a new client (cache key) per proxy
             for i in range(plan.reps):
                 readers.run_round(runs, latency, s3, flip=i % 2 == 1)
+                readers.local_round(runs, s3)
             log(f"[remote] +{latency} ms: {plan.reps} rounds")
+    bracketed(runs, readers.brackets)
     fsspec.config.conf.pop("s3", None)
     shutil.rmtree(readers.cache, ignore_errors=True)
     big_bytes = big.stat().st_size

@@ -315,6 +315,30 @@ def test_wait_is_counted_per_worker_from_its_first_batch():
     assert _wait_after_first_batch([{"n_samples": 3}]) == 0  # a local dataset: no remote counters
 
 
+def test_a_remote_pass_is_compared_with_local_disk_at_its_own_moment():
+    """``bracketed``: each remote pass's local rate is its reader's local rate interpolated, by time, between the
+    local passes that open and close its round (prefetch off against ours), so a machine speeding up or slowing
+    down between them moves both sides of the ratio."""
+    from benchmarks.remote import OURS, OURS_NO_PREFETCH, bracketed
+
+    brackets = [
+        {OURS: (0.0, 100.0), "litdata": (1.0, 90.0)},
+        {OURS: (10.0, 200.0), "litdata": (11.0, 90.0)},
+        {OURS: (20.0, 100.0), "litdata": (21.0, 80.0)},
+    ]
+    runs = {
+        (OURS, None, None): [{"t": 0.0, "local": 100.0}],  # local passes keep their own rate
+        (OURS, 20, True): [{"t": 5.0, "after": 0}, {"t": 12.5, "after": 1}],
+        (OURS_NO_PREFETCH, 20, False): [{"t": 2.5, "after": 0}],
+        ("litdata", 20, True): [{"t": 16.0, "after": 1}],
+    }
+    bracketed(runs, brackets)
+    assert [r["local"] for r in runs[(OURS, 20, True)]] == [150.0, 175.0]
+    assert runs[(OURS_NO_PREFETCH, 20, False)][0]["local"] == 125.0
+    assert runs[("litdata", 20, True)][0]["local"] == 85.0
+    assert runs[(OURS, None, None)][0]["local"] == 100.0
+
+
 def test_peer_table_pairs_passes_of_the_same_round():
     """*ours / peer* divides each round's passes pairwise (not the medians), and every row keeps its runs."""
     from benchmarks.remote import Rows
