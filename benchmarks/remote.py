@@ -328,6 +328,7 @@ def bracketed(runs: dict[tuple, list], brackets: list[dict[str, tuple[float, flo
             continue
         for r in passes:
             (t0, r0), (t1, r1) = (brackets[i][local_of(name)] for i in (r["after"], r["after"] + 1))
+            assert t0 < r["t"] < t1, f"a pass of {name} outside its round's local passes"
             r["local"] = r0 + (r1 - r0) * (r["t"] - t0) / (t1 - t0)
 
 

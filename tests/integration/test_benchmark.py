@@ -270,6 +270,8 @@ def test_remote_section_reads_from_s3_behind_a_slow_proxy(tmp_path, make_dataset
     doc = json.loads(out.read_text())["sections"]["remote"]
     rows = {(r["latency_ms"], r["prefetch"], r["cold"]): r for r in doc["rows"]}
     assert set(rows) == {(20, p, c) for p in (True, False) for c in (True, False)} | {(None, None, None)}
+    # the one round between two local passes, each remote pass against the local rate at its moment
+    assert [len(r["runs"]) for r in rows.values()] == [1, 1, 1, 1, 2] and rows[(None, None, None)] == doc["rows"][-1]
     for key, row in rows.items():
         assert row["samples_per_s"]["median"] > 0 and row["of_local"]["median"] > 0
         if key[2]:  # cold: every shard fetched once, plus the index, by the store's process, whose CPU it costs
@@ -337,6 +339,8 @@ def test_a_remote_pass_is_compared_with_local_disk_at_its_own_moment():
     assert runs[(OURS_NO_PREFETCH, 20, False)][0]["local"] == 125.0
     assert runs[("litdata", 20, True)][0]["local"] == 85.0
     assert runs[(OURS, None, None)][0]["local"] == 100.0
+    with pytest.raises(AssertionError, match="outside its round"):  # a pass after the local passes closing it
+        bracketed({(OURS, 20, True): [{"t": 25.0, "after": 1}]}, brackets)
 
 
 def test_peer_table_pairs_passes_of_the_same_round():
