@@ -203,18 +203,23 @@ def _tar_samples(shard: str):
 
 
 def prepare_litdata(shards: Path, work: Path) -> tuple[Path, float]:
-    """The shards converted by ``litdata.optimize`` into its chunks (4 MB, like our shards) in
-    ``work/litdata/ds``: (the dataset directory, seconds)."""
+    """The shards converted by ``litdata.optimize`` into its chunks in ``work/litdata/ds``: (the dataset
+    directory, seconds). A chunk holds as many samples as our shards do on average, so both loaders make one
+    request per as many samples: the unit each fetches whole is the same."""
     import litdata as ld
+
+    from nanovlm.data.index import load_index
 
     out = work / "litdata" / "ds"
     shutil.rmtree(out, ignore_errors=True)
+    index = load_index(shards)
+    per_chunk = max(1, round(index.num_samples / len(index.shards)))
     t0 = time.perf_counter()
     method = multiprocessing.get_start_method(allow_none=True)
     try:
         ld.optimize(
             fn=_tar_samples, inputs=sorted(str(p) for p in shards.glob("*.tar")), output_dir=str(out),
-            chunk_bytes="4MB", num_workers=2, reorder_files=False, verbose=False,
+            chunk_size=per_chunk, num_workers=2, reorder_files=False, verbose=False,
         )  # fmt: skip
     finally:  # optimize sets the process-wide start method to spawn (force=True) and leaves it so
         multiprocessing.set_start_method(method, force=True)
