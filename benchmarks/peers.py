@@ -204,8 +204,8 @@ def _tar_samples(shard: str):
 
 def prepare_litdata(shards: Path, work: Path) -> tuple[Path, float]:
     """The shards converted by ``litdata.optimize`` into its chunks in ``work/litdata/ds``: (the dataset
-    directory, seconds). A chunk holds as many samples as our shards do on average, so both loaders make one
-    request per as many samples: the unit each fetches whole is the same."""
+    directory, seconds). The index's shards are converted, and a chunk holds as many samples as a shard does on
+    average, so both loaders fetch the same samples per request."""
     import litdata as ld
 
     from nanovlm.data.index import load_index
@@ -218,7 +218,7 @@ def prepare_litdata(shards: Path, work: Path) -> tuple[Path, float]:
     method = multiprocessing.get_start_method(allow_none=True)
     try:
         ld.optimize(
-            fn=_tar_samples, inputs=sorted(str(p) for p in shards.glob("*.tar")), output_dir=str(out),
+            fn=_tar_samples, inputs=[str(index.shard_path(s)) for s in index.shards], output_dir=str(out),
             chunk_size=per_chunk, num_workers=2, reorder_files=False, verbose=False,
         )  # fmt: skip
     finally:  # optimize sets the process-wide start method to spawn (force=True) and leaves it so
