@@ -19,6 +19,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -65,28 +66,26 @@ class Work:
         return [k for k, _ in samples], tensors
 
 
-def _timed(batches, expected: int) -> dict[str, Any]:
-    """Drain an epoch of (keys, tensors) batches: samples/s after the first batch; every key exactly once, and
-    the token ids delivered."""
+def _timed(batches, expected: int, on_first: Callable[[], None] | None = None) -> dict[str, Any]:
+    """Drain an epoch of (keys, tensors) batches, timed as ours is (``remote.epoch_times``); every key exactly
+    once, and the token ids delivered. ``on_first`` runs when the first batch is in."""
+    from benchmarks.remote import epoch_times
+
     it = iter(batches)
-    t_first = time.perf_counter()  # after iter(), as for ours (remote.epoch_rate)
+    t_start = time.perf_counter()  # after iter(), as for ours
     keys, tensors = next(it)
+    t_first = time.perf_counter()
+    if on_first is not None:
+        on_first()
     keys, tokens = list(keys), _tokens(tensors)
-    t0, first = time.perf_counter(), len(keys)
+    first = len(keys)
     for batch_keys, tensors in it:
         keys += batch_keys
         tokens += _tokens(tensors)
-    dt = time.perf_counter() - t0
+    t_end = time.perf_counter()
     if len(keys) != expected or len(set(keys)) != expected:
         raise RuntimeError(f"a peer epoch read {len(keys)} samples ({len(set(keys))} distinct), not {expected}")
-    samples = len(keys) - first
-    return {
-        "samples": samples,
-        "seconds": dt,
-        "first_batch_s": t0 - t_first,
-        "samples_per_s": samples / dt,
-        "tokens": tokens,  # delivered over the whole epoch
-    }
+    return epoch_times(t_start, t_first, t_end, first, len(keys)) | {"tokens": tokens}  # tokens: the whole epoch
 
 
 def _tokens(tensors: list) -> int:
@@ -119,7 +118,12 @@ def prepare_energon(shards: Path, work: Path) -> tuple[Path, float]:
 
 
 def energon_epoch(
-    path: str, processor: Any, expected: int, workers: int = 2, msc: dict | None = None
+    path: str,
+    processor: Any,
+    expected: int,
+    workers: int = 2,
+    msc: dict | None = None,
+    on_first: Callable | None = None,
 ) -> dict[str, Any]:
     """One epoch of ``path`` (a prepared directory, or ``msc://BUCKET/ds`` with ``msc`` = {config: the MSC config
     file to write, endpoint_url, cache_dir: None for no cache}) through energon's ``get_train_dataset`` + ``get_loader`` (its crude webdataset: raw members)."""
@@ -151,7 +155,7 @@ def energon_epoch(
     )  # fmt: skip
     loader = get_loader(ds)
     _drop_pooled_connections()
-    return _timed(loader, expected)
+    return _timed(loader, expected, on_first)
 
 
 def _msc_config(path: Path, endpoint_url: str, cache_dir: str | None, bucket: str) -> None:
@@ -250,7 +254,13 @@ class _LitTransform:
 
 
 def litdata_epoch(
-    path: str, processor: Any, expected: int, workers: int = 2, cache_dir: str | None = None, endpoint_url: str = ""
+    path: str,
+    processor: Any,
+    expected: int,
+    workers: int = 2,
+    cache_dir: str | None = None,
+    endpoint_url: str = "",
+    on_first: Callable | None = None,
 ) -> dict[str, Any]:
     """One shuffled epoch of ``path`` (a local directory or ``s3://bucket/ds``) through ``StreamingDataset`` +
     ``StreamingDataLoader``; remote chunks are cached in ``cache_dir``."""
@@ -262,4 +272,4 @@ def litdata_epoch(
         storage_options=options,
     )  # fmt: skip
     loader = ld.StreamingDataLoader(ds, batch_size=BATCH, num_workers=workers, collate_fn=Work.collate)
-    return _timed(loader, expected)
+    return _timed(loader, expected, on_first)

@@ -249,27 +249,39 @@ def store(
             proc.kill()
 
 
-def epoch_rate(cfg, tokenizer) -> dict[str, Any]:
-    """One epoch out of a fresh DataModule: samples/s after its first batch, and the samples read."""
+def epoch_rate(cfg, tokenizer, on_first: Callable[[], None] | None = None) -> dict[str, Any]:
+    """One epoch out of a fresh DataModule, timed from its iterator's start (``epoch_times``); ``on_first`` runs
+    when the first batch is in."""
     from nanovlm.data.datamodule import PackedMultimodalDataModule
 
     dm = PackedMultimodalDataModule(cfg.data, cfg.model, tokenizer=tokenizer, rank=0, world_size=1, pin_memory=False)
     dm.setup("fit")
     n_batches = dm.current_split().batches_per_rank()
     it = iter(dm.train_dataloader())
-    t_first = time.perf_counter()
+    t_start = time.perf_counter()
     metas = [next(it)["meta"]]
-    t0 = time.perf_counter()
+    t_first = time.perf_counter()
+    if on_first is not None:
+        on_first()
     metas += [next(it)["meta"] for _ in range(n_batches - 1)]
-    dt = time.perf_counter() - t0
-    samples = sum(m["n_samples"] for m in metas[1:])
+    t_end = time.perf_counter()
     del it
+    counts = [m["n_samples"] for m in metas]
+    return epoch_times(t_start, t_first, t_end, counts[0], sum(counts)) | {"wait_s": _wait_after_first_batch(metas)}
+
+
+def epoch_times(t_start: float, t_first: float, t_end: float, first: int, samples: int) -> dict[str, Any]:
+    """The rates of one epoch of ``samples`` (``first`` of them in its first batch), every loader alike.
+
+    *samples_per_s* spans the whole epoch, from the iterator's start: a loader may fetch far ahead before its first
+    batch (LitData's pre-download grows to every chunk of a small dataset), and a rate after the first batch would
+    leave that transfer out. *steady_samples_per_s* is the rate after the first batch."""
     return {
         "samples": samples,
-        "seconds": dt,
-        "first_batch_s": t0 - t_first,
-        "samples_per_s": samples / dt,
-        "wait_s": _wait_after_first_batch(metas),
+        "seconds": t_end - t_start,
+        "first_batch_s": t_first - t_start,
+        "samples_per_s": samples / (t_end - t_start),
+        "steady_samples_per_s": (samples - first) / (t_end - t_first),
     }
 
 
@@ -301,10 +313,14 @@ class Rows(list):
                 "cold": cold,
                 "samples_per_s": Stats.of([r["samples_per_s"] for r in runs]).to_dict(),
                 "of_local": Stats.of([r["samples_per_s"] / r["local"] for r in runs]).to_dict(),
+                "steady_samples_per_s": Stats.of([r["steady_samples_per_s"] for r in runs]).to_dict(),
                 "first_batch_s": Stats.of([r["first_batch_s"] for r in runs]).to_dict(),
                 "store_cpu_s": Stats.of([r["store_cpu_s"] for r in runs]).to_dict(),
                 "wait_s": Stats.of([r.get("wait_s", 0.0) for r in runs]).to_dict(),
                 "bytes_per_epoch": (sum(sent) / len(sent)) if sent else None,
+                "by_first_batch": Stats.of([r["sent_by_first"] / r["sent"] for r in runs if "sent" in r]).to_dict()
+                if sent
+                else None,  # the share of a cold epoch's bytes fetched before its first batch
                 "runs": [r["samples_per_s"] for r in runs],
             }
         )
@@ -351,20 +367,20 @@ class Readers:
         names = [OURS, OURS_NO_PREFETCH, *self.peer.dirs]
         return names[::-1] if flip else names
 
-    def epoch(self, name: str, url: str | None) -> dict[str, Any]:
+    def epoch(self, name: str, url: str | None, on_first: Callable[[], None] | None = None) -> dict[str, Any]:
         """One epoch of reader ``name``: from local disk, or from S3 through the proxy at ``url``."""
         if name not in (OURS, OURS_NO_PREFETCH):
             if url is None:
-                return self.peer.epoch(name, str(self.peer.dirs[name]))
+                return self.peer.epoch(name, str(self.peer.dirs[name]), on_first=on_first)
             remote = f"msc://{name}/ds" if name == "energon" else f"s3://{name}/ds"
-            return self.peer.epoch(name, remote, self.cache_of(name), url)
+            return self.peer.epoch(name, remote, self.cache_of(name), url, on_first)
         if url is None:
-            return epoch_rate(self.cfg, self.tokenizer)
+            return epoch_rate(self.cfg, self.tokenizer, on_first)
         cfg = data_config(self.args, self.workers)
         cfg.data.train = ["s3://bench/ds"]  # the endpoint: fsspec's s3 config, set per proxy in ``measure``
         cfg.data.cache_dir = str(self.cache_of(name))
         cfg.data.prefetch_shards = 2 if name == OURS else 0
-        return epoch_rate(cfg, self.tokenizer)
+        return epoch_rate(cfg, self.tokenizer, on_first)
 
     def cache_of(self, name: str) -> Path:
         """Each reader's own cache directory: one reader's warm pass never finds another's copies."""
@@ -389,20 +405,24 @@ class Readers:
                     shutil.rmtree(self.cache_of(n), ignore_errors=True)
                 r = self._pass(n, latency, store) | {"after": len(self.brackets) - 1}
                 if not cold:
-                    del r["sent"]  # bytes per epoch: the cold pass's
+                    del r["sent"], r["sent_by_first"]  # bytes per epoch: the cold pass's
                 runs.setdefault((n, latency, cold), []).append(r)
 
     def _pass(self, name: str, latency: int | None, store: Store) -> dict[str, Any]:
         """``epoch`` (from local disk where ``latency`` is None), with its time (the middle of the pass), the
-        store's CPU seconds during it and the bytes its proxy sent."""
+        store's CPU seconds during it, the bytes its proxy sent, and those it had sent by the first batch."""
         sent0, cpu0 = store.stats()
+        at_first: list[dict[int, int]] = []
         t0 = time.perf_counter()
-        r = self.epoch(name, None if latency is None else store.urls[latency])
+        r = self.epoch(
+            name, None if latency is None else store.urls[latency], lambda: at_first.append(store.stats()[0])
+        )
         r["t"] = (t0 + time.perf_counter()) / 2
         sent1, cpu1 = store.stats()
         r["store_cpu_s"] = cpu1 - cpu0
         if latency is not None:
             r["sent"] = sent1[latency] - sent0[latency]
+            r["sent_by_first"] = at_first[0][latency] - sent0[latency]
         return r
 
 
@@ -554,11 +574,13 @@ class Peers:
             log(f"[remote] peers not installed: {', '.join(out.missing)} ({peers.PEERS_INSTALL})")
         return out
 
-    def epoch(self, name: str, path: str, cache: Path | None = None, url: str = "") -> dict[str, Any]:
+    def epoch(
+        self, name: str, path: str, cache: Path | None = None, url: str = "", on_first: Callable | None = None
+    ) -> dict[str, Any]:
         from benchmarks import peers
 
         cache_dir = str(cache) if cache is not None else None
         if name == "energon":
             msc = {"config": self.work / "msc.yaml", "endpoint_url": url, "cache_dir": cache_dir} if url else None
-            return peers.energon_epoch(path, self.processor, self.expected, self.workers, msc=msc)
-        return peers.litdata_epoch(path, self.processor, self.expected, self.workers, cache_dir, url)
+            return peers.energon_epoch(path, self.processor, self.expected, self.workers, msc, on_first)
+        return peers.litdata_epoch(path, self.processor, self.expected, self.workers, cache_dir, url, on_first)

@@ -564,8 +564,10 @@ def render_remote(result: dict) -> str:
         f"{result['samples']} samples in {result['shards']} shards ({result['dataset_bytes'] / 1e6:.1f} MB) from "
         f"{result['data']}, read by the DataModule with {plan['workers']} workers: from local disk, and from moto's "
         f"S3 server behind a proxy adding the latency to every request with {plan['bandwidth_mb_s']:.0f} MB/s "
-        "shared. Cold: cache emptied before the epoch; warm: the epoch after. One epoch per pass, first batch "
-        f"excluded, in {plan['reps']} rounds (every loader cold, then warm, each round between two passes of "
+        "shared. Cold: cache emptied before the epoch; warm: the epoch after. One epoch per pass, timed from the "
+        "loader's start to its last batch (*after 1st batch*: the rate after the first batch; *fetched by 1st "
+        "batch*: the share of a cold epoch's bytes the proxy had sent by then), "
+        f"in {plan['reps']} rounds (every loader cold, then warm, each round between two passes of "
         "every loader from local disk); *of local*: each pass against its loader's local rate at that moment, "
         "interpolated between the two (median [min-max]); *store CPU s*: CPU time of the S3 server's and "
         "proxy's process during the pass (its own process, on the same cores as the workers); *wait s*: "
@@ -583,7 +585,9 @@ def render_remote(result: dict) -> str:
                 "" if r["prefetch"] is None else ("on" if r["prefetch"] else "off"),
                 Stats(**sps).fmt(0),
                 f"{Stats(**r['of_local']).fmt(1, 100)}%",
+                f"{r['steady_samples_per_s']['median']:.0f}",
                 f"{r['first_batch_s']['median']:.2f}",
+                "" if sent is None else f"{r['by_first_batch']['median'] * 100:.0f}%",
                 f"{r['store_cpu_s']['median']:.2f}",
                 "" if r["latency_ms"] is None else f"{r['wait_s']['median']:.2f}",
                 "" if sent is None else f"{sent / result['dataset_bytes']:.3f}",
@@ -596,7 +600,9 @@ def render_remote(result: dict) -> str:
                 "prefetch",
                 "samples/s",
                 "of local",
+                "after 1st batch",
                 "first batch s",
+                "fetched by 1st batch",
                 "store CPU s",
                 "wait s",
                 "bytes/epoch / dataset",
@@ -673,7 +679,28 @@ def render_peers(result: dict) -> str:
     what = "samples/s (of local, bytes/epoch, store CPU)"
     heads = [h for n in names for h in (f"{n}, {what}", f"ours / {n}")]
     md.append(markdown_table(["source", f"ours, {what}", *heads], rows))
+    md += ["", _first_batches(ours, theirs, names)]
     return "\n".join(md)
+
+
+def _first_batches(ours: dict, theirs: dict, names: list[str]) -> str:
+    """The cold rows' first batches: when each loader's first batch came, the share of the epoch's bytes fetched
+    by then, and the rate after it (what a rate that leaves the first batch out would show)."""
+    md = [
+        "Cold epochs up to their first batch, medians: seconds to the first batch / share of the epoch's bytes "
+        "fetched by then / samples/s after it.",
+        "",
+    ]
+
+    def cell(r: dict | None) -> str:
+        if r is None:
+            return ""
+        share = r["by_first_batch"]["median"] * 100
+        return f"{r['first_batch_s']['median']:.2f} s / {share:.0f}% / {r['steady_samples_per_s']['median']:.0f}"
+
+    cold = [name for name, r in ours.items() if r["cold"]]
+    rows = [[name, cell(ours[name]), *(cell(theirs.get(f"{n}: {name}")) for n in names)] for name in cold]
+    return "\n".join([*md, markdown_table(["source", "ours", *names], rows)])
 
 
 def render_decode(result: dict) -> str:

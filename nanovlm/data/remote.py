@@ -522,13 +522,15 @@ def shard_cache(indexes: Iterable, cache_dir: str | os.PathLike | None, max_byte
 
 class Prefetcher:
     """Fetches the shards a worker's plan reads next, in the background: at most ``concurrency`` requests in
-    flight and ``ahead`` shards beyond the one being read."""
+    flight and ``ahead`` shards beyond the one being read. The shard read next goes first, alone: the ones after
+    it start once it is staged, so they never share the link with the shard the reader is waiting for."""
 
     def __init__(self, cache: ShardCache, concurrency: int = 2, ahead: int = 2) -> None:
         self.cache, self.ahead = cache, ahead
         self._pool = ThreadPoolExecutor(max_workers=max(1, concurrency), thread_name_prefix="shard-prefetch")
         self._pending: dict[str, Future] = {}
         self._last: list[str] = []
+        self._lock = threading.Lock()  # _pending and _last: the reader's thread and the pool's callbacks
 
     def upcoming(self, urls: Iterable[str]) -> None:
         """``urls``: the shards of the coming reads, in plan order (duplicates and local paths ignored); work is
@@ -536,13 +538,30 @@ class Prefetcher:
         order = list(dict.fromkeys(u for u in urls if is_remote(u)))[: self.ahead + 1]
         if order == self._last:
             return
-        self._last = order
         self.cache.want(order)
-        for done in [u for u, f in self._pending.items() if f.done() and u not in order]:
-            self._pending.pop(done)
-        for url in order:
-            if url not in self._pending:
-                self._pending[url] = self._pool.submit(self._quiet_fetch, url)
+        with self._lock:
+            self._last = order
+            for done in [u for u, f in self._pending.items() if f.done() and u not in order]:
+                self._pending.pop(done)
+            head = self._submit(order[0]) if order else None
+        if head is not None:
+            head.add_done_callback(self._submit_rest)  # at once if it is done
+
+    def _submit(self, url: str) -> Future:
+        """The fetch of ``url``, started unless it is in flight or done (the caller holds the lock)."""
+        if url not in self._pending:
+            self._pending[url] = self._pool.submit(self._quiet_fetch, url)
+        return self._pending[url]
+
+    def _submit_rest(self, _: Future) -> None:
+        """The shards after the one read next, once that one is staged (the latest plan's, not the caller's)."""
+        with self._lock:
+            head = self._pending.get(self._last[0]) if self._last else None
+            if head is None or not head.done():  # a newer head: its own callback starts the rest
+                return
+            with contextlib.suppress(RuntimeError):  # closed meanwhile: nothing more to fetch
+                for url in self._last[1:]:
+                    self._submit(url)
 
     def _quiet_fetch(self, url: str) -> Any:
         try:

@@ -112,9 +112,11 @@ class PackStream(IterableDataset):
         self.s, self.start, self._first_split = s, start, first_split
 
     def _shards_ahead(self, plan: SlotPlan, k: int, packs: int = 32) -> list[str]:
-        """The distinct shards of the slot's next ``packs`` packs, in the order the plan reads them."""
+        """The distinct shards of the slot's next ``packs`` packs, in the order the producer reads them: by
+        position in the epoch, not by pack (a pack's samples come from anywhere in the packer's look-ahead)."""
         ahead = plan.packs[k : k + packs]
-        shards = self.s.table.shard_of(plan.gids[np.concatenate(ahead)] if ahead else np.zeros(0, np.int64))
+        positions = np.sort(np.concatenate(ahead)) if ahead else np.zeros(0, np.int64)
+        shards = self.s.table.shard_of(plan.gids[positions])
         _, first = np.unique(shards, return_index=True)
         return [self.s.table.shard_paths[i] for i in shards[np.sort(first)].tolist()]
 

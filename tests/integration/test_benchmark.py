@@ -274,8 +274,11 @@ def test_remote_section_reads_from_s3_behind_a_slow_proxy(tmp_path, make_dataset
     assert [len(r["runs"]) for r in rows.values()] == [1, 1, 1, 1, 2] and rows[(None, None, None)] == doc["rows"][-1]
     for key, row in rows.items():
         assert row["samples_per_s"]["median"] > 0 and row["of_local"]["median"] > 0
+        # the whole epoch, its first batch included, is slower than the epoch after its first batch
+        assert row["samples_per_s"]["median"] < row["steady_samples_per_s"]["median"]
         if key[2]:  # cold: every shard fetched once, plus the index, by the store's process, whose CPU it costs
             assert 1.0 <= row["bytes_per_epoch"] / doc["dataset_bytes"] <= 1.1 and row["store_cpu_s"]["min"] > 0
+            assert 0 < row["by_first_batch"]["median"] <= 1  # a share of what the epoch fetched
         else:
             assert row["bytes_per_epoch"] is None and row["store_cpu_s"]["min"] >= 0
     from benchmarks.remote import GET_FILE, PRESIGNED
@@ -349,8 +352,9 @@ def test_peer_table_pairs_passes_of_the_same_round():
     from benchmarks.report import render_peers
 
     def run(rate: float, local: float, sent: int | None = None) -> dict:
-        r = {"samples_per_s": rate, "local": local, "first_batch_s": 0.1, "store_cpu_s": 0.1}
-        return r if sent is None else r | {"sent": sent}
+        r = {"samples_per_s": rate, "steady_samples_per_s": rate, "local": local, "first_batch_s": 0.1}
+        r |= {"store_cpu_s": 0.1}
+        return r if sent is None else r | {"sent": sent, "sent_by_first": sent // 2}
 
     ours, theirs = Rows(lambda _: None), Rows(lambda _: None)
     ours.record("S3 +20 ms, cold", 20, True, True, [run(90, 100, 10), run(300, 300, 10), run(150, 200, 10)])
@@ -363,11 +367,17 @@ def test_peer_table_pairs_passes_of_the_same_round():
         "rows": list(ours),
         "peers": {"prepared": {"litdata": {"seconds": 1.0, "bytes": 8}}, "missing": [], "rows": list(theirs)},
     }
-    lines = {line.split(" | ")[0]: line for line in render_peers(result).splitlines() if line.startswith("| ")}
+    text = render_peers(result)
+    lines: dict[str, str] = {}  # each row's first line: the main table's, not the first-batch table's
+    for line in text.splitlines():
+        if line.startswith("| "):
+            lines.setdefault(line.split(" | ")[0], line)
     # ratios 1.5, 1.5, 0.5 -> median 1.5; medians alone would give 150 / 200 = 0.75
     assert lines["| S3 +20 ms, cold"].endswith("| 200 (100%, 1.00x, 0.10 s) | 1.50 [0.50-1.50] |")
     assert lines["| local disk"].endswith("| 300 (100%) | 0.75 [0.67-2.00] |")
     assert lines["| S3 +20 ms, cold"].startswith("| S3 +20 ms, cold | 150 (90%, 1.00x, 0.10 s) |")
+    # the cold rows' first batches: 5 of 10 bytes by then (ours), 4 of 8 (LitData)
+    assert "| S3 +20 ms, cold | 0.10 s / 50% / 150 | 0.10 s / 50% / 200 |" in text
 
 
 def test_the_peers_read_every_sample_once(tmp_path, make_dataset, tiny_tokenizer):

@@ -383,6 +383,30 @@ def test_wait_counts_the_fetches_readers_wait_for_and_not_the_prefetched(data, t
         assert cache.counters.wait_ms - waited >= 200 and cache.counters.fetched == 3
 
 
+def test_the_shard_read_next_is_fetched_before_the_ones_after_it(data, tmp_path):
+    """Prefetch starts the shards after the one read next only once that one is staged: sharing the link with
+    them would delay the shard the reader waits for (every request here waits 0.3 s before its answer)."""
+    import time
+
+    index = load_index(data / "a")
+    with http_server(data, FaultPlan(rate=1.0, kinds=("delay",), delay_s=0.3)) as (url, _, log):
+        shards = {f"{url}/a/{s.name}": ShardInfo(s.size_bytes, s.crc32) for s in index.shards}
+        urls = list(shards)[:3]
+        cache = ShardCache(tmp_path / "c", 10 * max(i.size for i in shards.values()), shards, FAST)
+        prefetch = Prefetcher(cache, concurrency=2, ahead=2)
+        prefetch.upcoming(urls)
+        time.sleep(0.15)  # the first shard's request is waiting for its answer
+
+        def asked(u: str) -> bool:
+            return any(u.rsplit("/", 1)[1] in line for line in log)
+
+        assert not asked(urls[1]) and not asked(urls[2])
+        for u in urls:  # then the others, each fetched once
+            cache.open(u).close()
+        prefetch.close()
+    assert cache.counters.fetched == 3 and all(asked(u) for u in urls)
+
+
 def _reader_process(cache: ShardCache, urls: list[str], seed: int, out) -> None:
     import random as rnd
     import zlib
