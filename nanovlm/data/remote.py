@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any, BinaryIO, TypeVar
 
 from nanovlm.data.index import crc32_file
-from nanovlm.data.presigned import get_presigned, presignable
+from nanovlm.data.presigned import get_presigned, presignable, warm
 from nanovlm.dist import file_lock
 
 log = logging.getLogger(__name__)
@@ -517,6 +517,8 @@ def shard_cache(indexes: Iterable, cache_dir: str | os.PathLike | None, max_byte
     }
     if not shards:
         return None
+    for url in {u.split("://", 1)[0]: u for u in shards}.values():  # one per scheme, whose options fsspec sets
+        warm(filesystem(url)[0])  # in the trainer's process, before its workers fork: they inherit the client data
     return ShardCache(Path(cache_dir or default_cache_dir()) / "shards", max_bytes, shards)
 
 

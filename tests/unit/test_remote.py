@@ -9,6 +9,7 @@ import contextlib
 import logging
 import os
 import threading
+from pathlib import Path
 
 import fsspec
 import pytest
@@ -537,6 +538,57 @@ def _pools_after_fork(out) -> None:
     from nanovlm.data import presigned
 
     out.put(len(presigned._POOLS))
+
+
+def _client_data_loaded_by_a_first_get(url: str, dest: str, out) -> None:
+    """In a forked process, as a DataLoader worker: the botocore data files its first presigned GET loads."""
+    import botocore.loaders
+
+    loaded = []
+    load_file = botocore.loaders.JSONFileLoader.load_file
+
+    def counted(self, path, *args, **kwargs):
+        found = load_file(self, path, *args, **kwargs)
+        if found is not None:
+            loaded.append(os.path.basename(path))
+        return found
+
+    botocore.loaders.JSONFileLoader.load_file = counted
+    from nanovlm.data.presigned import get_presigned
+
+    fs, path = filesystem(url)
+    get_presigned(fs, path, Path(dest))
+    out.put(loaded)
+
+
+def test_workers_forked_after_the_cache_is_made_load_no_client_data(data, tmp_path, monkeypatch):
+    """``shard_cache`` (made in the trainer's process) loads the S3 client's data into the session URLs are signed
+    with: a worker forked after it makes its first presigned GET without loading any (about 75 ms of CPU each),
+    where a process forked before loads the service model and the rest itself."""
+    import multiprocessing as mp
+
+    from nanovlm.data import presigned
+    from nanovlm.data.remote import shard_cache
+
+    index = load_index(data / "a")
+    ctx = mp.get_context("fork")
+    with s3_server(monkeypatch) as (fs, bucket):
+        upload(fs, data / "a", f"{bucket}/a")
+        url = f"s3://{bucket}/a/{index.shards[0].name}"
+        loaded = []
+        for warmed in (False, True):
+            presigned._SESSIONS.clear()
+            if warmed:
+                index.source = f"s3://{bucket}/a"  # as fetch_index leaves it
+                assert shard_cache([index], tmp_path / "c", 1 << 30) is not None
+            out = ctx.Queue()
+            p = ctx.Process(target=_client_data_loaded_by_a_first_get, args=(url, str(tmp_path / f"{warmed}"), out))
+            p.start()
+            loaded.append(out.get(timeout=60))
+            p.join(30)
+            assert (tmp_path / f"{warmed}").read_bytes() == (data / "a" / index.shards[0].name).read_bytes()
+    assert "service-2" in loaded[0] and "endpoint-rule-set-1" in loaded[0]
+    assert loaded[1] == []
 
 
 def test_presigned_gets_go_through_the_environment_proxy_and_verify_as_told(monkeypatch):
