@@ -123,7 +123,7 @@ def energon_epoch(
     expected: int,
     workers: int = 2,
     msc: dict | None = None,
-    on_first: Callable | None = None,
+    on_first: Callable[[], None] | None = None,
 ) -> dict[str, Any]:
     """One epoch of ``path`` (a prepared directory, or ``msc://BUCKET/ds`` with ``msc`` = {config: the MSC config
     file to write, endpoint_url, cache_dir: None for no cache}) through energon's ``get_train_dataset`` + ``get_loader`` (its crude webdataset: raw members)."""
@@ -260,7 +260,7 @@ def litdata_epoch(
     workers: int = 2,
     cache_dir: str | None = None,
     endpoint_url: str = "",
-    on_first: Callable | None = None,
+    on_first: Callable[[], None] | None = None,
 ) -> dict[str, Any]:
     """One shuffled epoch of ``path`` (a local directory or ``s3://bucket/ds``) through ``StreamingDataset`` +
     ``StreamingDataLoader``; remote chunks are cached in ``cache_dir``."""

@@ -9,7 +9,7 @@ dataset's size. The passes run in rounds (``Readers.run_round``): every reader c
 round between two passes of every reader from local disk (``Readers.local_round``), so each remote pass is compared
 with its own reader's local rate at that moment (``bracketed``) and with the other readers' passes of the same row
 seconds apart: this machine's speed drifts by up to a third over minutes. Each pass starts fresh DataLoader
-workers; the epoch's first batch is excluded from the timing in every row alike (worker start)."""
+workers and is timed whole, from its loader's start to its last batch, in every row alike (``epoch_times``)."""
 
 from __future__ import annotations
 
@@ -318,8 +318,8 @@ class Rows(list):
                 "store_cpu_s": Stats.of([r["store_cpu_s"] for r in runs]).to_dict(),
                 "wait_s": Stats.of([r.get("wait_s", 0.0) for r in runs]).to_dict(),
                 "bytes_per_epoch": (sum(sent) / len(sent)) if sent else None,
-                "by_first_batch": Stats.of([r["sent_by_first"] / r["sent"] for r in runs if "sent" in r]).to_dict()
-                if sent
+                "by_first_batch": Stats.of([r["sent_by_first"] / r["sent"] for r in runs if r.get("sent")]).to_dict()
+                if any(sent)
                 else None,  # the share of a cold epoch's bytes fetched before its first batch
                 "runs": [r["samples_per_s"] for r in runs],
             }
@@ -414,9 +414,10 @@ class Readers:
         sent0, cpu0 = store.stats()
         at_first: list[dict[int, int]] = []
         t0 = time.perf_counter()
-        r = self.epoch(
-            name, None if latency is None else store.urls[latency], lambda: at_first.append(store.stats()[0])
-        )
+        if latency is None:
+            r = self.epoch(name, None)
+        else:
+            r = self.epoch(name, store.urls[latency], lambda: at_first.append(store.stats()[0]))
         r["t"] = (t0 + time.perf_counter()) / 2
         sent1, cpu1 = store.stats()
         r["store_cpu_s"] = cpu1 - cpu0
@@ -575,7 +576,7 @@ class Peers:
         return out
 
     def epoch(
-        self, name: str, path: str, cache: Path | None = None, url: str = "", on_first: Callable | None = None
+        self, name: str, path: str, cache: Path | None = None, url: str = "", on_first: Callable[[], None] | None = None
     ) -> dict[str, Any]:
         from benchmarks import peers
 

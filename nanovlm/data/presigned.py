@@ -31,9 +31,11 @@ CHUNK = 1 << 20
 RETRY_STATUSES = frozenset({429, 500, 502, 503, 504})
 _POOLS: dict[tuple, Any] = {}  # (proxy, verify) -> urllib3 pool manager of this process
 GONE_CODES = frozenset({"NoSuchKey", "NoSuchBucket", "AccessDenied"})  # S3 error codes about the object, not the URL
-_SESSIONS: dict[str, Any] = {}  # session options -> the aiobotocore session presigned URLs are signed with
+_LOADERS: dict[str, Any] = {}  # session options -> botocore's data loader, S3's client data in it (kept over forks)
+_SESSIONS: dict[str, Any] = {}  # session options -> this process's session URLs are signed with (never over forks)
 _REFUSED: set[str] = set()  # hosts (scheme://host:port) that refused a presigned GET: s3fs's transfer from then on
 os.register_at_fork(after_in_child=_POOLS.clear)  # connections never cross a fork
+os.register_at_fork(after_in_child=_SESSIONS.clear)  # nor credentials a session resolved
 
 
 def presignable(fs: Any) -> bool:
@@ -93,38 +95,61 @@ def get_presigned(fs: Any, path: str, dest: Path) -> None:
 
 
 def warm(fs: Any) -> None:
-    """Load what an S3 client is made from (the service model, endpoint rules, partitions: about 75 ms of CPU per
-    session) into the session this process signs with. Called before the DataLoader workers fork, it spares each
-    worker loading its own copy before its first fetch."""
-    if presignable(fs):
-        _session(fs)
+    """Load what an S3 client is made from (botocore's service model, endpoint rules, partitions: about 75 ms of
+    CPU) into a loader this process keeps for signing. Called before the DataLoader workers fork, it spares each
+    worker loading its own copy before its first fetch. Only a speed-up: a failure is logged and passed over."""
+    if not presignable(fs) or _as_is(fs) or fs.storage_options.get("session") is not None:
+        return  # s3fs's transfer, unsigned, signed the user's way, or with the user's own session
+    try:
+        _loader(fs.kwargs)
+    except Exception as e:  # noqa: BLE001 - each worker then loads its own, as without warm
+        log.debug("S3 client data not preloaded: %s", e)
+
+
+def _loader(kwargs: dict) -> Any:
+    """botocore's data loader for sessions made with ``kwargs``, S3's client data in it (files read once per
+    node's process tree: forked workers inherit it)."""
+    key = repr(sorted(kwargs.items()))
+    if key not in _LOADERS:
+        from aiobotocore.session import AioSession
+
+        loader = AioSession(**kwargs).get_component("data_loader")
+        for name in ("service-2", "endpoint-rule-set-1"):
+            loader.load_service_model("s3", name)
+        for name in ("endpoints", "partitions", "_retry", "sdk-default-configuration"):
+            loader.load_data(name)
+        _LOADERS[key] = loader
+    return _LOADERS[key]
 
 
 def _session(fs: Any) -> Any:
-    """This process's aiobotocore session for ``fs``'s session options, its S3 client data loaded."""
+    """This process's aiobotocore session for ``fs``'s session options (made as s3fs makes its own, so it resolves
+    credentials here, never in a parent), reading client data from the loader ``warm`` filled, if any."""
     key = repr(sorted(fs.kwargs.items()))
     session = _SESSIONS.get(key)
     if session is None:
         from aiobotocore.session import AioSession
 
-        session = AioSession(**fs.kwargs)  # as s3fs makes its own
-        loader = session.get_component("data_loader")
-        for name in ("service-2", "endpoint-rule-set-1"):
-            loader.load_service_model("s3", name)
-        for name in ("endpoints", "partitions", "_retry", "sdk-default-configuration"):
-            loader.load_data(name)
-        _SESSIONS[key] = session
+        session = AioSession(**fs.kwargs)
+        if key in _LOADERS:
+            session.register_component("data_loader", _LOADERS[key])
+        session = _SESSIONS.setdefault(key, session)  # one per process, whichever thread got here first
     return session
 
 
+def _as_is(fs: Any) -> bool:
+    """Whether ``fs`` presigns for itself: unsigned, or with the signature version the user chose."""
+    return bool(getattr(fs, "anon", False)) or "signature_version" in (fs.config_kwargs or {})
+
+
 def _signer(fs: Any) -> Any:
-    """The filesystem that presigns for ``fs``: ``fs`` made with SigV4 (fsspec keeps one per process and options;
-    its client is made on its first use, from this process's session, so a worker that only fetches shards sets
-    up one client and loads no client data a ``warm`` before its fork loaded)."""
-    if getattr(fs, "anon", False) or "signature_version" in (fs.config_kwargs or {}):
-        return fs  # unsigned, or the user's own choice
+    """The filesystem that presigns for ``fs``: ``fs`` made with SigV4 (fsspec keeps one per process and options).
+    Its client is made on its first use, from this process's session unless the user gave one, so a worker that
+    only fetches shards sets up one client, from the data ``warm`` loaded before the fork."""
+    if _as_is(fs):
+        return fs
     options = {**fs.storage_options, "config_kwargs": {**fs.config_kwargs, "signature_version": "s3v4"}}
-    if options.get("session") is None:  # else the user's own session
+    if options.get("session") is None:
         options["session"] = _session(fs)
     return type(fs)(**options)
 

@@ -532,7 +532,8 @@ class Prefetcher:
         self._pool = ThreadPoolExecutor(max_workers=max(1, concurrency), thread_name_prefix="shard-prefetch")
         self._pending: dict[str, Future] = {}
         self._last: list[str] = []
-        self._lock = threading.Lock()  # _pending and _last: the reader's thread and the pool's callbacks
+        self._lock = threading.Lock()  # _pending, _last, _closed: the reader's thread and the pool's callbacks
+        self._closed = False
 
     def upcoming(self, urls: Iterable[str]) -> None:
         """``urls``: the shards of the coming reads, in plan order (duplicates and local paths ignored); work is
@@ -542,6 +543,8 @@ class Prefetcher:
             return
         self.cache.want(order)
         with self._lock:
+            if self._closed:
+                return
             self._last = order
             for done in [u for u, f in self._pending.items() if f.done() and u not in order]:
                 self._pending.pop(done)
@@ -555,15 +558,16 @@ class Prefetcher:
             self._pending[url] = self._pool.submit(self._quiet_fetch, url)
         return self._pending[url]
 
-    def _submit_rest(self, _: Future) -> None:
+    def _submit_rest(self, done: Future) -> None:
         """The shards after the one read next, once that one is staged (the latest plan's, not the caller's)."""
+        if done.cancelled():  # by close(), which holds the pool's lock while it cancels: submit nothing
+            return
         with self._lock:
             head = self._pending.get(self._last[0]) if self._last else None
-            if head is None or not head.done():  # a newer head: its own callback starts the rest
+            if self._closed or head is None or not head.done():  # a newer head: its own callback starts the rest
                 return
-            with contextlib.suppress(RuntimeError):  # closed meanwhile: nothing more to fetch
-                for url in self._last[1:]:
-                    self._submit(url)
+            for url in self._last[1:]:
+                self._submit(url)
 
     def _quiet_fetch(self, url: str) -> Any:
         try:
@@ -573,4 +577,6 @@ class Prefetcher:
             return None
 
     def close(self) -> None:
+        with self._lock:  # no callback submits after this
+            self._closed = True
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -112,8 +112,9 @@ class PackStream(IterableDataset):
         self.s, self.start, self._first_split = s, start, first_split
 
     def _shards_ahead(self, plan: SlotPlan, k: int, packs: int = 32) -> list[str]:
-        """The distinct shards of the slot's next ``packs`` packs, in the order the producer reads them: by
-        position in the epoch, not by pack (a pack's samples come from anywhere in the packer's look-ahead)."""
+        """The distinct shards of the slot's next ``packs`` packs, by their samples' positions in the epoch: the
+        order the producer reads them in (position order, over a window of a few packs), where pack order is not
+        (a pack's samples come from anywhere in the packer's look-ahead)."""
         ahead = plan.packs[k : k + packs]
         positions = np.sort(np.concatenate(ahead)) if ahead else np.zeros(0, np.int64)
         shards = self.s.table.shard_of(plan.gids[positions])

@@ -401,11 +401,29 @@ def test_the_shard_read_next_is_fetched_before_the_ones_after_it(data, tmp_path)
         def asked(u: str) -> bool:
             return any(u.rsplit("/", 1)[1] in line for line in log)
 
-        assert not asked(urls[1]) and not asked(urls[2])
+        assert asked(urls[0]) and not asked(urls[1]) and not asked(urls[2])
         for u in urls:  # then the others, each fetched once
             cache.open(u).close()
         prefetch.close()
     assert cache.counters.fetched == 3 and all(asked(u) for u in urls)
+
+
+def test_closing_the_prefetcher_with_a_fetch_queued_returns_at_once(data, tmp_path):
+    """The pool cancels a queued fetch, and so runs its callbacks, while it holds its own lock: the callback that
+    would start the shards after it must not submit (a worker at the end of its epoch would hang on itself)."""
+    index = load_index(data / "a")
+    with http_server(data, FaultPlan(rate=1.0, kinds=("delay",), delay_s=0.3)) as (url, _, _):
+        shards = {f"{url}/a/{s.name}": ShardInfo(s.size_bytes, s.crc32) for s in index.shards}
+        urls = list(shards)
+        cache = ShardCache(tmp_path / "c", 10 * max(i.size for i in shards.values()), shards, FAST)
+        prefetch = Prefetcher(cache, concurrency=1, ahead=1)
+        prefetch.upcoming(urls[:2])  # the first shard in flight
+        prefetch.upcoming(urls[2:4])  # the next plan's first shard queued behind it
+        closing = threading.Thread(target=prefetch.close, daemon=True)
+        closing.start()
+        closing.join(5)
+        assert not closing.is_alive()
+        prefetch.upcoming(urls[1:3])  # after close: nothing, and no error
 
 
 def _reader_process(cache: ShardCache, urls: list[str], seed: int, out) -> None:
@@ -577,7 +595,7 @@ def test_workers_forked_after_the_cache_is_made_load_no_client_data(data, tmp_pa
         url = f"s3://{bucket}/a/{index.shards[0].name}"
         loaded = []
         for warmed in (False, True):
-            presigned._SESSIONS.clear()
+            presigned._LOADERS.clear()
             if warmed:
                 index.source = f"s3://{bucket}/a"  # as fetch_index leaves it
                 assert shard_cache([index], tmp_path / "c", 1 << 30) is not None
@@ -587,6 +605,7 @@ def test_workers_forked_after_the_cache_is_made_load_no_client_data(data, tmp_pa
             loaded.append(out.get(timeout=60))
             p.join(30)
             assert (tmp_path / f"{warmed}").read_bytes() == (data / "a" / index.shards[0].name).read_bytes()
+    presigned._LOADERS.clear()
     assert "service-2" in loaded[0] and "endpoint-rule-set-1" in loaded[0]
     assert loaded[1] == []
 
