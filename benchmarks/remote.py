@@ -314,6 +314,7 @@ class Rows(list):
                 "samples_per_s": Stats.of([r["samples_per_s"] for r in runs]).to_dict(),
                 "of_local": Stats.of([r["samples_per_s"] / r["local"] for r in runs]).to_dict(),
                 "steady_samples_per_s": Stats.of([r["steady_samples_per_s"] for r in runs]).to_dict(),
+                "steady_of_local": Stats.of([r["steady_samples_per_s"] / r["local_steady"] for r in runs]).to_dict(),
                 "first_batch_s": Stats.of([r["first_batch_s"] for r in runs]).to_dict(),
                 "store_cpu_s": Stats.of([r["store_cpu_s"] for r in runs]).to_dict(),
                 "wait_s": Stats.of([r.get("wait_s", 0.0) for r in runs]).to_dict(),
@@ -335,17 +336,22 @@ def local_of(name: str) -> str:
     return OURS if name == OURS_NO_PREFETCH else name
 
 
-def bracketed(runs: dict[tuple, list], brackets: list[dict[str, tuple[float, float]]]) -> None:
-    """Set each remote pass's ``local``: its reader's local rate at the pass's time, interpolated between the local
-    passes before and after its round (``brackets[i]``: reader -> (time, samples/s) of the i-th local round). The
-    machine's drift over the minute between them is then in both sides of the ratio, not in one."""
+RATES = {"local": "samples_per_s", "local_steady": "steady_samples_per_s"}  # a pass's local rate -> its own
+
+
+def bracketed(runs: dict[tuple, list], brackets: list[dict[str, tuple[float, dict[str, float]]]]) -> None:
+    """Set each remote pass's ``local`` and ``local_steady``: its reader's local rates (whole epoch, after the first
+    batch) at the pass's time, interpolated between the local passes before and after its round (``brackets[i]``:
+    reader -> (time, {rate: samples/s}) of the i-th local round). The machine's drift over the minute between them
+    is then in both sides of the ratio, not in one."""
     for (name, latency, _), passes in runs.items():
         if latency is None:
             continue
         for r in passes:
-            (t0, r0), (t1, r1) = (brackets[i][local_of(name)] for i in (r["after"], r["after"] + 1))
+            (t0, a), (t1, b) = (brackets[i][local_of(name)] for i in (r["after"], r["after"] + 1))
             assert t0 < r["t"] < t1, f"a pass of {name} outside its round's local passes"
-            r["local"] = r0 + (r1 - r0) * (r["t"] - t0) / (t1 - t0)
+            for local, rate in RATES.items():
+                r[local] = a[rate] + (b[rate] - a[rate]) * (r["t"] - t0) / (t1 - t0)
 
 
 @dataclass
@@ -391,8 +397,8 @@ class Readers:
         rates = {}
         for n in dict.fromkeys(map(local_of, self.names(flip=len(self.brackets) % 2 == 1))):
             r = self._pass(n, None, store)
-            runs.setdefault((n, None, None), []).append(r | {"local": r["samples_per_s"]})
-            rates[n] = (r["t"], r["samples_per_s"])
+            runs.setdefault((n, None, None), []).append(r | {local: r[rate] for local, rate in RATES.items()})
+            rates[n] = (r["t"], {rate: r[rate] for rate in RATES.values()})
         self.brackets.append(rates)
 
     def run_round(self, runs: dict[tuple, list], latency: int, store: Store, flip: bool) -> None:

@@ -565,7 +565,8 @@ def render_remote(result: dict) -> str:
         f"{result['data']}, read by the DataModule with {plan['workers']} workers: from local disk, and from moto's "
         f"S3 server behind a proxy adding the latency to every request with {plan['bandwidth_mb_s']:.0f} MB/s "
         "shared. Cold: cache emptied before the epoch; warm: the epoch after. One epoch per pass, timed from the "
-        "loader's start to its last batch (*after 1st batch*: the rate after the first batch; *fetched by 1st "
+        "loader's start to its last batch (*after 1st batch*: the rate after the first batch, and its ratio to the "
+        "local one alike; *fetched by 1st "
         "batch*: the share of a cold epoch's bytes the proxy had sent by then), "
         f"in {plan['reps']} rounds (every loader cold, then warm, each round between two passes of "
         "every loader from local disk); *of local*: each pass against its loader's local rate at that moment, "
@@ -585,7 +586,7 @@ def render_remote(result: dict) -> str:
                 "" if r["prefetch"] is None else ("on" if r["prefetch"] else "off"),
                 Stats(**sps).fmt(0),
                 f"{Stats(**r['of_local']).fmt(1, 100)}%",
-                f"{r['steady_samples_per_s']['median']:.0f}",
+                f"{r['steady_samples_per_s']['median']:.0f} ({r['steady_of_local']['median'] * 100:.1f}%)",
                 f"{r['first_batch_s']['median']:.2f}",
                 "" if sent is None else f"{r['by_first_batch']['median'] * 100:.0f}%",
                 f"{r['store_cpu_s']['median']:.2f}",

@@ -276,6 +276,7 @@ def test_remote_section_reads_from_s3_behind_a_slow_proxy(tmp_path, make_dataset
         assert row["samples_per_s"]["median"] > 0 and row["of_local"]["median"] > 0
         # the whole epoch, its first batch included, is slower than the epoch after its first batch
         assert row["samples_per_s"]["median"] < row["steady_samples_per_s"]["median"]
+        assert row["steady_of_local"]["median"] > 0  # after the first batch, against local disk's alike
         if key[2]:  # cold: every shard fetched once, plus the index, by the store's process, whose CPU it costs
             assert 1.0 <= row["bytes_per_epoch"] / doc["dataset_bytes"] <= 1.1 and row["store_cpu_s"]["min"] > 0
             assert 0 < row["by_first_batch"]["median"] <= 1  # a share of what the epoch fetched
@@ -326,10 +327,13 @@ def test_a_remote_pass_is_compared_with_local_disk_at_its_own_moment():
     down between them moves both sides of the ratio."""
     from benchmarks.remote import OURS, OURS_NO_PREFETCH, bracketed
 
+    def rates(whole: float) -> dict[str, float]:  # the rate after the first batch: 10% higher
+        return {"samples_per_s": whole, "steady_samples_per_s": 1.1 * whole}
+
     brackets = [
-        {OURS: (0.0, 100.0), "litdata": (1.0, 90.0)},
-        {OURS: (10.0, 200.0), "litdata": (11.0, 90.0)},
-        {OURS: (20.0, 100.0), "litdata": (21.0, 80.0)},
+        {OURS: (0.0, rates(100.0)), "litdata": (1.0, rates(90.0))},
+        {OURS: (10.0, rates(200.0)), "litdata": (11.0, rates(90.0))},
+        {OURS: (20.0, rates(100.0)), "litdata": (21.0, rates(80.0))},
     ]
     runs = {
         (OURS, None, None): [{"t": 0.0, "local": 100.0}],  # local passes keep their own rate
@@ -339,6 +343,7 @@ def test_a_remote_pass_is_compared_with_local_disk_at_its_own_moment():
     }
     bracketed(runs, brackets)
     assert [r["local"] for r in runs[(OURS, 20, True)]] == [150.0, 175.0]
+    assert [r["local_steady"] for r in runs[(OURS, 20, True)]] == pytest.approx([165.0, 192.5])
     assert runs[(OURS_NO_PREFETCH, 20, False)][0]["local"] == 125.0
     assert runs[("litdata", 20, True)][0]["local"] == 85.0
     assert runs[(OURS, None, None)][0]["local"] == 100.0
@@ -352,7 +357,8 @@ def test_peer_table_pairs_passes_of_the_same_round():
     from benchmarks.report import render_peers
 
     def run(rate: float, local: float, sent: int | None = None) -> dict:
-        r = {"samples_per_s": rate, "steady_samples_per_s": rate, "local": local, "first_batch_s": 0.1}
+        r = {"samples_per_s": rate, "steady_samples_per_s": rate, "local": local, "local_steady": local}
+        r |= {"first_batch_s": 0.1}
         r |= {"store_cpu_s": 0.1}
         return r if sent is None else r | {"sent": sent, "sent_by_first": sent // 2}
 
