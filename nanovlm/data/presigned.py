@@ -106,10 +106,15 @@ def warm(fs: Any) -> None:
         log.debug("S3 client data not preloaded: %s", e)
 
 
+def _key(kwargs: dict) -> str:
+    """The key of s3fs's session options in ``_LOADERS`` and ``_SESSIONS``."""
+    return repr(sorted(kwargs.items()))
+
+
 def _loader(kwargs: dict) -> Any:
     """botocore's data loader for sessions made with ``kwargs``, S3's client data in it (files read once per
     node's process tree: forked workers inherit it)."""
-    key = repr(sorted(kwargs.items()))
+    key = _key(kwargs)
     if key not in _LOADERS:
         from aiobotocore.session import AioSession
 
@@ -125,7 +130,7 @@ def _loader(kwargs: dict) -> Any:
 def _session(fs: Any) -> Any:
     """This process's aiobotocore session for ``fs``'s session options (made as s3fs makes its own, so it resolves
     credentials here, never in a parent), reading client data from the loader ``warm`` filled, if any."""
-    key = repr(sorted(fs.kwargs.items()))
+    key = _key(fs.kwargs)
     session = _SESSIONS.get(key)
     if session is None:
         from aiobotocore.session import AioSession
