@@ -610,6 +610,21 @@ def test_workers_forked_after_the_cache_is_made_load_no_client_data(data, tmp_pa
     assert loaded[1] == []
 
 
+def test_preloading_the_client_data_is_only_a_speed_up(monkeypatch, caplog):
+    """``warm`` that cannot load botocore's data (a botocore without a file it expects) logs it and returns: the
+    workers then load their own, as without it; the trainer's setup never fails on it."""
+    from nanovlm.data import presigned
+
+    def broken(kwargs: dict):
+        raise FileNotFoundError("endpoint-rule-set-1")
+
+    monkeypatch.setattr(presigned, "_loader", broken)
+    fs = fsspec.filesystem("s3", key="k", secret="s", skip_instance_cache=True)
+    with caplog.at_level(logging.DEBUG, logger="nanovlm.data.presigned"):
+        presigned.warm(fs)
+    assert "not preloaded" in caplog.text and "endpoint-rule-set-1" in caplog.text
+
+
 def test_presigned_gets_go_through_the_environment_proxy_and_verify_as_told(monkeypatch):
     """The presigned GET honours HTTP(S)_PROXY (with its user:password) and NO_PROXY as botocore does, and the
     verify setting s3fs was given (a CA bundle path, or False); a forked process opens its own connections."""
