@@ -559,11 +559,14 @@ def _pools_after_fork(out) -> None:
 
 
 def _client_data_loaded_by_a_first_get(url: str, dest: str, out) -> None:
-    """In a forked process, as a DataLoader worker: the botocore data files its first presigned GET loads."""
+    """In a forked process, as a DataLoader worker: the botocore data files its first presigned GET loads, the
+    botocore sessions it makes, and the access key its URLs are signed with (its own environment's)."""
     import botocore.loaders
+    import botocore.session
 
-    loaded = []
+    loaded, sessions = [], []
     load_file = botocore.loaders.JSONFileLoader.load_file
+    register = botocore.session.Session._register_builtin_handlers
 
     def counted(self, path, *args, **kwargs):
         found = load_file(self, path, *args, **kwargs)
@@ -571,18 +574,25 @@ def _client_data_loaded_by_a_first_get(url: str, dest: str, out) -> None:
             loaded.append(os.path.basename(path))
         return found
 
+    def made(self, *args, **kwargs):
+        sessions.append(1)
+        return register(self, *args, **kwargs)
+
     botocore.loaders.JSONFileLoader.load_file = counted
-    from nanovlm.data.presigned import get_presigned
+    botocore.session.Session._register_builtin_handlers = made
+    os.environ["AWS_ACCESS_KEY_ID"] = "worker-key-id"  # credentials resolve here, never in the parent
+    from nanovlm.data.presigned import _signer, get_presigned
 
     fs, path = filesystem(url)
     get_presigned(fs, path, Path(dest))
-    out.put(loaded)
+    out.put((loaded, len(sessions), "worker-key-id" in _signer(fs).url(path)))
 
 
 def test_workers_forked_after_the_cache_is_made_load_no_client_data(data, tmp_path, monkeypatch):
-    """``shard_cache`` (made in the trainer's process) loads the S3 client's data into the session URLs are signed
-    with: a worker forked after it makes its first presigned GET without loading any (about 75 ms of CPU each),
-    where a process forked before loads the service model and the rest itself."""
+    """``shard_cache`` (made in the trainer's process) loads the S3 client's data and makes a spare session on it:
+    a worker forked after it makes its first presigned GET without loading any data or making a session (about
+    95 ms of CPU each), where a process forked before loads the service model and the rest and makes its session
+    itself; either way the worker signs with the credentials of its own environment."""
     import multiprocessing as mp
 
     from nanovlm.data import presigned
@@ -596,6 +606,7 @@ def test_workers_forked_after_the_cache_is_made_load_no_client_data(data, tmp_pa
         loaded = []
         for warmed in (False, True):
             presigned._LOADERS.clear()
+            presigned._SPARES.clear()
             if warmed:
                 index.source = f"s3://{bucket}/a"  # as fetch_index leaves it
                 assert shard_cache([index], tmp_path / "c", 1 << 30) is not None
@@ -606,8 +617,11 @@ def test_workers_forked_after_the_cache_is_made_load_no_client_data(data, tmp_pa
             p.join(30)
             assert (tmp_path / f"{warmed}").read_bytes() == (data / "a" / index.shards[0].name).read_bytes()
     presigned._LOADERS.clear()
-    assert "service-2" in loaded[0] and "endpoint-rule-set-1" in loaded[0]
-    assert loaded[1] == []
+    presigned._SPARES.clear()
+    (cold, cold_sessions, cold_key), (warm, warm_sessions, warm_key) = loaded
+    assert "service-2" in cold and "endpoint-rule-set-1" in cold and cold_sessions >= 1
+    assert warm == [] and warm_sessions == 0
+    assert cold_key and warm_key
 
 
 def test_preloading_the_client_data_is_only_a_speed_up(monkeypatch, caplog):
