@@ -100,23 +100,24 @@ def warm(fs: Any) -> None:
     CPU) into a loader this process keeps for signing, and make a spare session on it (botocore registers its
     handlers: about 20 ms more). Called before the DataLoader workers fork, it spares each worker both before its
     first fetch. The spare is never used here, so it holds no credentials, client or lock when a worker takes it
-    over (``_session``). Only a speed-up: a failure is logged and passed over."""
+    over (``_session``); botocore initializers registered after ``warm`` do not reach it. Only a speed-up: a
+    failure is logged and passed over."""
     if not presignable(fs) or _as_is(fs) or fs.storage_options.get("session") is not None:
         return  # s3fs's transfer, unsigned, signed the user's way, or with the user's own session
     try:
         from aiobotocore.session import AioSession
 
         loader, key = _loader(fs.kwargs), _key(fs.kwargs)
-        if _SPARES.get(key, (None,))[0] != os.getpid():  # this process's own spare is still unused
+        if _SPARES.get(key, (None,))[0] != os.getpid():  # none of its own yet (an inherited one is its parent's)
             spare = AioSession(**fs.kwargs)
             spare.register_component("data_loader", loader)
             _SPARES[key] = (os.getpid(), spare)
     except Exception as e:  # noqa: BLE001 - each worker then loads its own, as without warm
-        log.debug("S3 client data not preloaded: %s", e)
+        log.debug("S3 client data or spare session not preloaded: %s", e)
 
 
 def _key(kwargs: dict) -> str:
-    """The key of s3fs's session options in ``_LOADERS`` and ``_SESSIONS``."""
+    """The key of s3fs's session options in ``_LOADERS``, ``_SPARES`` and ``_SESSIONS``."""
     return repr(sorted(kwargs.items()))
 
 

@@ -610,6 +610,8 @@ def test_workers_forked_after_the_cache_is_made_load_no_client_data(data, tmp_pa
             if warmed:
                 index.source = f"s3://{bucket}/a"  # as fetch_index leaves it
                 assert shard_cache([index], tmp_path / "c", 1 << 30) is not None
+                [(_, spare)] = presigned._SPARES.values()
+                assert spare._credentials is None  # never used here: nothing of this process crosses the fork
             out = ctx.Queue()
             p = ctx.Process(target=_client_data_loaded_by_a_first_get, args=(url, str(tmp_path / f"{warmed}"), out))
             p.start()
