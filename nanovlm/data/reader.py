@@ -19,6 +19,7 @@ from nanovlm.data.index import TarSample, split_member_name
 from nanovlm.data.remote import is_remote
 
 _END_OF_ARCHIVE = b"\0" * 1024  # two zero blocks: lets tarfile stop cleanly at the end of the byte range
+MAX_OPEN_STAGED = 4  # staged remote shards a reader keeps open: a few more than it reads from at once
 _NON_FILE_TYPES = (b"1", b"2", b"3", b"4", b"5", b"6")  # links, devices, dirs, fifos: skipped like tarfile does
 
 
@@ -176,23 +177,33 @@ def _pread(fd: int, n: int, offset: int) -> bytes:
 
 
 class ShardReader:
-    """Reads samples by (shard path, offset, nbytes), keeping shard files open. A remote shard (a URL) is read
-    from its staged copy in ``cache`` (``remote.ShardCache``)."""
+    """Reads samples by (shard path, offset, nbytes), keeping shard files open, the least recently used closed
+    first. A remote shard (a URL) is read from its staged copy in ``cache`` (``remote.ShardCache``), of which at
+    most ``max_open_staged`` stay open: a copy the cache evicts keeps its disk space while a reader holds it, so
+    the handles bound what readers hold beyond ``data.cache_max_bytes``, and a shard read again after its copy
+    was evicted is fetched again instead of read from a deleted file."""
 
-    def __init__(self, max_open: int = 64, cache=None) -> None:
-        self._files: dict[str, BinaryIO] = {}
-        self._max_open = max_open
+    def __init__(self, max_open: int = 64, cache=None, max_open_staged: int = MAX_OPEN_STAGED) -> None:
+        self._files: dict[str, BinaryIO] = {}  # local shard files, least recently used first
+        self._staged: dict[str, BinaryIO] = {}  # staged copies of remote shards, least recently used first
+        self._max_open, self._max_open_staged = max_open, max_open_staged
         self.cache = cache
 
     def _file(self, path: str) -> BinaryIO:
-        f = self._files.get(path)
-        if f is None:
-            if len(self._files) >= self._max_open:  # close the oldest handle
-                self._files.pop(next(iter(self._files))).close()
-            if self.cache is not None and is_remote(path):
-                f = self._files[path] = self.cache.open(path)  # stays readable if the cache evicts it later
-            else:
-                f = self._files[path] = open(path, "rb")  # noqa: SIM115 - kept open on purpose
+        for files in (self._files, self._staged):
+            f = files.pop(path, None)
+            if f is not None:
+                files[path] = f  # now the most recently used
+                return f
+        if self.cache is not None and is_remote(path):
+            files, limit = self._staged, self._max_open_staged
+            f = self.cache.open(path)  # stays readable while open, even if the cache evicts it
+        else:
+            files, limit = self._files, self._max_open
+            f = open(path, "rb")  # noqa: SIM115 - kept open on purpose
+        while len(files) >= limit:
+            files.pop(next(iter(files))).close()
+        files[path] = f
         return f
 
     def read_members(self, path: str, offset: int, nbytes: int, key: str) -> dict[str, bytes]:
@@ -206,12 +217,13 @@ class ShardReader:
         return members_to_record(self.read_members(path, offset, nbytes, key), key)
 
     def close(self) -> None:
-        for f in self._files.values():
-            f.close()
-        self._files.clear()
+        for files in (self._files, self._staged):
+            for f in files.values():
+                f.close()
+            files.clear()
 
     def __getstate__(self) -> dict:  # open files do not travel to DataLoader workers
-        return {"_files": {}, "_max_open": self._max_open, "cache": self.cache}
+        return {**self.__dict__, "_files": {}, "_staged": {}}
 
     def __del__(self) -> None:
         self.close()

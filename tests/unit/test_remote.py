@@ -362,6 +362,40 @@ def test_staged_shards_are_checked_shared_and_evicted(data, tmp_path):
         assert not list((tmp_path / "d").glob("*.tar")) and not list((tmp_path / "d").glob(".*part"))
 
 
+def _deleted_but_open(directory: Path) -> int:
+    """Bytes of the files under ``directory`` that are deleted but still held open by this process."""
+    held = 0
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            target = os.readlink(f"/proc/self/fd/{fd}")
+            if target.startswith(str(directory)) and target.endswith(" (deleted)"):
+                held += os.fstat(int(fd)).st_size
+    return held
+
+
+def test_readers_hold_few_evicted_copies_and_fetch_a_shard_read_again(make_dataset, tmp_path):
+    """A copy the cache evicts keeps its disk space while a reader holds it open: a reader holds at most
+    MAX_OPEN_STAGED copies, so the disk holds at most cache_max_bytes and that many shards more, and an epoch
+    that reads a shard again fetches it again rather than reading a deleted file (counted in bytes per epoch)."""
+    from nanovlm.data.reader import MAX_OPEN_STAGED, ShardReader
+
+    index = make_dataset(tmp_path / "srv" / "ds", 48, samples_per_shard=4, image_token_count=IMAGE_TOKENS)
+    assert len(index.shards) == 12
+    with http_server(tmp_path / "srv") as (url, _, _):
+        shards = {f"{url}/ds/{s.name}": ShardInfo(s.size_bytes, s.crc32) for s in index.shards}
+        size = max(i.size for i in shards.values())
+        cache = ShardCache(tmp_path / "c", 2 * size, shards, FAST)
+        reader, local = ShardReader(cache=cache), ShardReader()
+        for _ in range(2):  # two epochs
+            for path, off, n, key in index.sample_refs():
+                got = reader.read_members(f"{url}/ds/{Path(path).name}", off, n, key)
+                assert got == local.read_members(str(path), off, n, key)
+                staged = sum(p.stat().st_size for p in (tmp_path / "c").glob("*.tar"))
+                assert staged <= 2 * size and _deleted_but_open(tmp_path / "c") <= MAX_OPEN_STAGED * size
+        assert cache.counters.fetched == 2 * len(index.shards)
+        reader.close()
+
+
 def test_wait_counts_the_fetches_readers_wait_for_and_not_the_prefetched(data, tmp_path):
     """``wait_ms``: a reader opening a shard that is not staged waits for its fetch (here 0.3 s of latency per
     request), and one whose prefetch is still in flight waits for that fetch instead of making its own; a shard

@@ -1,0 +1,134 @@
+"""The ``stream`` section: the DataModule reading from S3 as a training run does. The store is the remote
+section's (``remote.store``: moto's S3 server on loopback behind a proxy per latency, in a process of its own). Two
+caches: one of ``shards_per_worker`` shards per DataLoader worker, a node whose cache holds a fraction of the data,
+so every epoch fetches the dataset again (cold, and evicting as it goes); and one that holds the dataset, so every
+epoch after the first reads staged copies (warm). One loader per pass serves several epochs, its workers carrying
+on across epoch ends as the train stream's do, and the pass is timed over the epochs after the first: what a run
+pays once (worker start, client set-up, its first shards' fetch) is left out of the remote and the local pass
+alike, and every byte of the timed epochs is fetched inside them. Each remote pass lies between two local passes,
+and is compared with their mean: this machine's speed drifts over minutes."""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from benchmarks.common import Stats
+from benchmarks.remote import RemotePlan, store
+from benchmarks.workloads import data_config, demo_dirs
+
+
+@dataclass
+class StreamPlan:
+    latencies_ms: tuple[int, ...] = RemotePlan.latencies_ms
+    bandwidth_mb_s: float = RemotePlan.bandwidth_mb_s
+    workers: int = RemotePlan.workers
+    shards_per_worker: int = 2  # the small cache's size, in the dataset's largest shards
+    epochs: int = 3  # per pass; the first is not timed
+    reps: int = 5
+
+    @classmethod
+    def quick(cls) -> StreamPlan:
+        return cls(latencies_ms=(20,), epochs=2, reps=1)
+
+
+def stream_pass(cfg: Any, tokenizer: Any, epochs: int, sent: Callable[[], int] | None = None) -> dict[str, Any]:
+    """``epochs`` epochs out of one fresh DataModule's loader, timed from the rank's last batch of the first epoch
+    to its last batch of the last (``epoch_end`` in the batch's meta); ``sent``: the store's bytes sent so far."""
+    from nanovlm.data.datamodule import PackedMultimodalDataModule
+
+    dm = PackedMultimodalDataModule(cfg.data, cfg.model, tokenizer=tokenizer, rank=0, world_size=1, pin_memory=False)
+    dm.setup("fit")
+    it = iter(dm.train_dataloader())
+    waited: dict[int, int] = {}  # worker slot -> its wait_ms so far
+    marks: list[tuple[float, int, int, dict[int, int]]] = []  # at each epoch's end: time, bytes, samples, waits
+    samples = 0
+    while len(marks) < epochs:
+        meta = next(it)["meta"]
+        samples += meta["n_samples"]
+        waited[meta.get("worker_slot", 0)] = (meta.get("remote") or {}).get("wait_ms", 0)
+        if meta.get("epoch_end"):
+            marks.append((time.perf_counter(), sent() if sent else 0, samples, dict(waited)))
+    del it
+    (t0, b0, s0, w0), (t1, b1, s1, w1) = marks[0], marks[-1]
+    return {
+        "t": (t0 + t1) / 2,
+        "seconds": t1 - t0,
+        "samples": s1 - s0,
+        "samples_per_s": (s1 - s0) / (t1 - t0),
+        "sent_per_epoch": (b1 - b0) / (epochs - 1),
+        "wait_s": sum(ms - w0.get(slot, 0) for slot, ms in w1.items()) / 1e3,
+    }
+
+
+def measure(args: argparse.Namespace, log=print) -> dict[str, Any]:
+    """Rounds of a local pass, then for each cache and latency a remote pass and a local one; the JSON part of the
+    section."""
+    import fsspec
+
+    from nanovlm.data.index import load_index
+    from nanovlm.data.tokenizer import load_tokenizer
+
+    plan = StreamPlan.quick() if args.quick else StreamPlan()
+    plan.reps = min(plan.reps, args.reps) if args.quick else args.reps
+    cfg = data_config(args, plan.workers)
+    if not args.data:
+        demo_dirs(cfg)
+    source = Path(cfg.data.train[0])
+    index = load_index(source)
+    dataset_bytes = sum(s.size_bytes for s in index.shards)
+    small = plan.shards_per_worker * plan.workers * max(s.size_bytes for s in index.shards)
+    caches = {"small": small, "whole": max(2 * dataset_bytes, data_config(args, plan.workers).data.cache_max_bytes)}
+    tokenizer = load_tokenizer(args.tokenizer or cfg.data.tokenizer, cfg.model.vision.image_splitting)
+    cache = Path(args.workdir) / "stream_cache"
+    local: list[dict[str, Any]] = []
+    remote: dict[tuple[str, int], list[dict[str, Any]]] = {(c, ms): [] for c in caches for ms in plan.latencies_ms}
+    with store({"bench": source}, {}, plan.latencies_ms, plan.bandwidth_mb_s) as s3:
+        for i in range(plan.reps):
+            local.append(stream_pass(cfg, tokenizer, plan.epochs))
+            for which, ms in remote:
+                fsspec.config.conf["s3"] = {"endpoint_url": s3.urls[ms]}  # a new client (cache key) per proxy
+                shutil.rmtree(cache, ignore_errors=True)
+                remote_cfg = data_config(args, plan.workers)
+                remote_cfg.data.train = ["s3://bench/ds"]  # the endpoint: fsspec's s3 config, set just above
+                remote_cfg.data.cache_dir, remote_cfg.data.cache_max_bytes = str(cache), caches[which]
+                r = stream_pass(remote_cfg, tokenizer, plan.epochs, lambda ms=ms: s3.stats()[0][ms])
+                local.append(stream_pass(cfg, tokenizer, plan.epochs))
+                remote[which, ms].append(r | {"local": (local[-2]["samples_per_s"] + local[-1]["samples_per_s"]) / 2})
+            log(f"[stream] round {i + 1}/{plan.reps}: local {local[-1]['samples_per_s']:.0f} samples/s")
+    fsspec.config.conf.pop("s3", None)
+    shutil.rmtree(cache, ignore_errors=True)
+    rows = [
+        {
+            "name": f"S3 +{ms} ms, cache holds "
+            + (f"{plan.shards_per_worker} shards/worker" if c == "small" else "all"),
+            "latency_ms": ms,
+            "cache": c,
+            "samples_per_s": Stats.of([r["samples_per_s"] for r in runs]).to_dict(),
+            "of_local": Stats.of([r["samples_per_s"] / r["local"] for r in runs]).to_dict(),
+            "wait_s": Stats.of([r["wait_s"] for r in runs]).to_dict(),
+            "bytes_per_epoch": Stats.of([r["sent_per_epoch"] / dataset_bytes for r in runs]).to_dict(),
+        }
+        for (c, ms), runs in remote.items()
+    ]
+    rows.append(
+        {
+            "name": "local disk",
+            "latency_ms": None,
+            "samples_per_s": Stats.of([r["samples_per_s"] for r in local]).to_dict(),
+        }
+    )
+    return {
+        "plan": {**plan.__dict__, "latencies_ms": list(plan.latencies_ms)},
+        "data": str(source),
+        "dataset_bytes": dataset_bytes,
+        "cache_bytes": caches,
+        "shards": len(index.shards),
+        "samples": index.num_samples,
+        "rows": rows,
+    }
