@@ -7,6 +7,7 @@
     python scripts/benchmark.py --sections train --device cuda --compile-step --train-modes packed  # compiled step
     python scripts/benchmark.py --sections scale --workdir /big/disk   # 1M / 10M / 100M-sample indexes (~6 GB)
     python scripts/benchmark.py --sections remote   # S3 on loopback behind 0 / 20 / 100 ms of latency vs local disk
+    python scripts/benchmark.py --sections stream   # the same S3 through a cache of 2 shards per worker, 3 epochs
     python scripts/benchmark.py --sections decode --device cuda   # JPEG decode: Pillow in a worker vs nvJPEG
 
 Every figure goes to ``--json``; a markdown report is printed (and written to ``--markdown``).
@@ -26,8 +27,9 @@ from typing import Any
 from benchmarks.common import machine_description
 from benchmarks.scale import parse_size
 
-SECTIONS = ("packing", "pipeline", "train", "resume", "scale", "tiles", "remote", "decode")
-# scale writes GBs of synthetic index, tiles is a packing variant, remote starts an S3 server: asked for by name
+SECTIONS = ("packing", "pipeline", "train", "resume", "scale", "tiles", "remote", "stream", "decode")
+# scale writes GBs of synthetic index, tiles is a packing variant, remote and stream start an S3 server: asked for
+# by name
 DEFAULT_SECTIONS = SECTIONS[:4]
 
 
@@ -242,6 +244,11 @@ def run_section(name: str, args: argparse.Namespace) -> tuple[dict[str, Any], st
 
         result = remote.measure(args, log=_log)
         return result, report.render_remote(result)
+    if name == "stream":
+        from benchmarks import stream
+
+        result = stream.measure(args, log=_log)
+        return result, report.render_stream(result)
     if name == "scale":
         from benchmarks import scale
 

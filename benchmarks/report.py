@@ -618,6 +618,38 @@ def render_remote(result: dict) -> str:
     return "\n".join(md)
 
 
+def render_stream(result: dict) -> str:
+    plan = result["plan"]
+    md = ["## Remote data through a small cache, as a training run streams it", ""]
+    md.append(
+        f"{result['samples']} samples in {result['shards']} shards ({result['dataset_bytes'] / 1e6:.1f} MB) from "
+        f"{result['data']}, read by the DataModule with {plan['workers']} workers from moto's S3 server behind a "
+        f"proxy adding the latency to every request with {plan['bandwidth_mb_s']:.0f} MB/s shared, through a cache "
+        f"of {plan['shards_per_worker']} shards per worker ({result['cache_bytes']['small'] / 1e6:.1f} MB), so every "
+        "epoch fetches the dataset again, or one that holds all of it, so every epoch after the first reads staged "
+        f"copies. {plan['epochs']} epochs per pass from one loader (its workers carry on across "
+        "epoch ends, as in training), timed from the end of the first epoch to the end of the last; "
+        f"{plan['reps']} rounds, each remote pass between two local ones. *of local*: against the mean of those "
+        "two; *wait s*: what the workers spent opening shards in the timed epochs, summed; *bytes/epoch*: what "
+        "the proxy sent per timed epoch. Median [min-max]."
+    )
+    md.append("")
+    rows = []
+    for r in result["rows"]:
+        remote = r["latency_ms"] is not None
+        rows.append(
+            [
+                r["name"],
+                Stats(**r["samples_per_s"]).fmt(0),
+                f"{Stats(**r['of_local']).fmt(1, 100)}%" if remote else "",
+                Stats(**r["wait_s"]).fmt(2) if remote else "",
+                Stats(**r["bytes_per_epoch"]).fmt(3) if remote else "",
+            ]
+        )
+    md.append(markdown_table(["source", "samples/s", "of local", "wait s", "bytes/epoch / dataset"], rows))
+    return "\n".join(md)
+
+
 def render_transfer(result: dict) -> str:
     """The CPU a reader's process spends receiving: s3fs's own transfer against the presigned GET."""
     t = result["transfer"]

@@ -290,6 +290,25 @@ def test_remote_section_reads_from_s3_behind_a_slow_proxy(tmp_path, make_dataset
         assert row["shard_ms"]["n"] == 5 and min(s["min"] for s in row.values()) > 0
 
 
+def test_stream_section_fetches_what_a_small_cache_let_go_and_nothing_twice(tmp_path, make_dataset, tiny_tokenizer):
+    """Two epochs from one loader behind 20 ms, through a cache of 2 shards per worker (4 of the 6 shards) and one
+    that holds the dataset: the timed epoch (the second) fetches again the shards the small cache let go, none
+    twice, and nothing through the large one; its rate is set against local disk's."""
+    pytest.importorskip("s3fs")
+    make_dataset(tmp_path / "ds", 60, samples_per_shard=10)
+    tiny_tokenizer.save_pretrained(str(tmp_path / "tok"))
+    out = tmp_path / "s.json"
+    args = ["--quick", "--sections", "stream", "--data", str(tmp_path / "ds"), "--tokenizer", str(tmp_path / "tok")]
+    assert main([*args, "--workdir", str(tmp_path / "wd"), "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())["sections"]["stream"]
+    assert doc["cache_bytes"]["small"] < doc["dataset_bytes"] < doc["cache_bytes"]["whole"]
+    small, whole, local = doc["rows"]
+    assert [r["latency_ms"] for r in doc["rows"]] == [20, 20, None] and local["samples_per_s"]["n"] == 3
+    for r in (small, whole):
+        assert r["samples_per_s"]["median"] > 0 and r["of_local"]["median"] > 0 and r["wait_s"]["min"] >= 0
+    assert 0.1 < small["bytes_per_epoch"]["median"] <= 1.05 and whole["bytes_per_epoch"]["max"] < 0.1
+
+
 def test_a_store_that_fails_is_an_error_at_once(tmp_path):
     """The benchmark's store (S3 server and proxies in a child process) that dies while starting, or later, is a
     named error within seconds, never a wait on its pipe."""
