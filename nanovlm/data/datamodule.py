@@ -18,6 +18,7 @@ The position advances only in ``on_batch_consumed`` (called after a batch was tr
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any
 
 import lightning as L
@@ -33,7 +34,7 @@ from nanovlm.data.device_decode import DeviceDecoder, check_decoder
 from nanovlm.data.index import load_index
 from nanovlm.data.loader import make_loader
 from nanovlm.data.processing import SampleProcessor
-from nanovlm.data.remote import default_cache_dir, shard_cache
+from nanovlm.data.remote import default_cache_dir, prefetch_depth, shard_cache
 from nanovlm.data.shards import Carry, EpochPlan, EpochSplit, PackSpec, SampleTable, Topology, pack_all, pack_slot
 from nanovlm.data.state import DataState, DataStateError, Position, check_fingerprint, fingerprint, restore
 from nanovlm.data.stream import DataMismatchError, PackStream, StreamSpec
@@ -96,6 +97,7 @@ class PackedMultimodalDataModule(L.LightningDataModule):
         self.table: SampleTable | None = None
         self.val_table: SampleTable | None = None
         self.shard_cache = None  # remote.ShardCache when a dataset is a URL
+        self.prefetch_shards = data_cfg.prefetch_shards  # remote shards each worker fetches ahead (set by setup)
         self.static: StaticLayout | None = None  # data.static_shapes: the packs' fixed shapes
         self.position = Position()
         self.counters = DataCounters()
@@ -139,6 +141,7 @@ class PackedMultimodalDataModule(L.LightningDataModule):
             self.val_table = load_table(list(self.cfg.val), *args) if self.cfg.val else None
             indexes = [*self.table.indexes, *(self.val_table.indexes if self.val_table is not None else [])]
             self.shard_cache = shard_cache(indexes, self.cfg.cache_dir, self.cfg.cache_max_bytes)
+            self.prefetch_shards = self._prefetch_depth()
             if self.val_table is not None and self.cfg.val_samples > 0:  # one global subset: any topology sees it
                 self.val_table = self.val_table.head(self.cfg.val_samples)
             pad = self.tokenizer.pad_token_id
@@ -180,8 +183,21 @@ class PackedMultimodalDataModule(L.LightningDataModule):
             read_ahead=self.cfg.lookahead,
             static=self.static,
             cache=self.shard_cache,
-            prefetch_shards=self.cfg.prefetch_shards,
+            prefetch_shards=self.prefetch_shards,
         )
+
+    def _prefetch_depth(self) -> int:
+        """``data.prefetch_shards``, or fewer where the node's shard cache cannot hold them for all of its
+        workers (remote.prefetch_depth): every rank of the node runs ``num_workers`` workers on the one cache."""
+        if self.shard_cache is None or not self.cfg.prefetch_shards:
+            return self.cfg.prefetch_shards
+        local = os.environ.get("LOCAL_WORLD_SIZE", "")  # torchrun's; else the Trainer's devices per node
+        if local.isdigit():
+            ranks = int(local)
+        else:
+            ranks = self.trainer.num_devices if self.trainer is not None else 1
+        workers = max(1, ranks) * max(1, self.cfg.num_workers)
+        return prefetch_depth(self.shard_cache, self.cfg.prefetch_shards, workers)
 
     def current_split(self) -> EpochSplit:
         """The split of the epoch the stream is in, cut down to this rank's chunks (cached: vectorised O(N) work

@@ -522,6 +522,29 @@ def shard_cache(indexes: Iterable, cache_dir: str | os.PathLike | None, max_byte
     return ShardCache(Path(cache_dir or default_cache_dir()) / "shards", max_bytes, shards)
 
 
+def prefetch_depth(cache: ShardCache, wanted: int, workers_on_node: int) -> int:
+    """How many shards each DataLoader worker fetches ahead: ``wanted`` (``data.prefetch_shards``), or fewer where
+    the node's cache cannot hold that many for every worker beside the fetch each has in flight. Past that, one
+    worker's prefetch evicts another's prefetched shard before it is read, and both are fetched twice (measured:
+    twice the dataset's bytes per epoch with 2 shards per worker and 2 ahead). The shard a worker reads needs no
+    room: its reader holds it open (data/reader.py)."""
+    largest = max((info.size for info in cache.shards.values()), default=1)
+    per_worker = cache.max_bytes // max(1, largest * max(1, workers_on_node))
+    depth = max(0, min(wanted, per_worker - 1))
+    if depth < wanted:
+        log.warning(
+            "data.cache_max_bytes=%d holds %d of the largest shards per DataLoader worker of this node (%d): "
+            "prefetching %d ahead instead of data.prefetch_shards=%d; raise data.cache_max_bytes to %d for that",
+            cache.max_bytes,
+            per_worker,
+            workers_on_node,
+            depth,
+            wanted,
+            largest * workers_on_node * (wanted + 1),
+        )
+    return depth
+
+
 class Prefetcher:
     """Fetches the shards a worker's plan reads next, in the background: at most ``concurrency`` requests in
     flight and ``ahead`` shards beyond the one being read. The shard read next goes first, alone: the ones after

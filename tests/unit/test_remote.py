@@ -32,6 +32,7 @@ from nanovlm.data.remote import (
     fetch_index,
     filesystem,
     is_remote,
+    prefetch_depth,
     redact,
     with_retries,
 )
@@ -327,6 +328,30 @@ def test_held_out_evaluation_reads_remote_directories(data, tmp_path):
     with http_server(data) as (url, _, _):
         got = [r.key for r in iter_answered_records([f"{url}/a"], limit=100, cache_dir=str(tmp_path / "c"))]
     assert got == want and len(got) > 0
+
+
+def test_prefetch_asks_no_more_than_the_node_cache_holds_for_every_worker(
+    data, tiny_tokenizer, tmp_path, monkeypatch, caplog
+):
+    """Each worker prefetches ``data.prefetch_shards`` ahead only where the node's cache holds that many for every
+    worker of every rank beside a fetch in flight: past that one worker's prefetch evicts another's before it is
+    read (twice the bytes per epoch, measured by the stream benchmark). The reduced depth is a logged warning."""
+    index = load_index(data / "a")
+    shards = {f"s3://b/a/{s.name}": ShardInfo(s.size_bytes, s.crc32) for s in index.shards}
+    size = max(i.size for i in shards.values())
+
+    def depth(per_worker: int, workers: int = 2) -> int:
+        return prefetch_depth(ShardCache(tmp_path, per_worker * workers * size, shards), 2, workers)
+
+    with caplog.at_level(logging.WARNING, logger="nanovlm.data.remote"):
+        assert depth(3) == depth(100) == 2 and not caplog.text
+        assert depth(2) == 1 and depth(1) == 0 and "raise data.cache_max_bytes" in caplog.text
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # two ranks of 2 workers on the node: 4 workers share it
+    with http_server(data) as (url, _, _):
+        cfg = make_cfg([f"{url}/a"], cache_dir=str(tmp_path / "c"), num_workers=2, cache_max_bytes=8 * size)
+        dm = make_dm(cfg, tiny_tokenizer)
+        dm.setup("fit")
+        assert dm.prefetch_shards == 1 and dm._stream_spec().prefetch_shards == 1
 
 
 def test_staged_shards_are_checked_shared_and_evicted(data, tmp_path):
