@@ -484,21 +484,27 @@ def transfer_cpu(shards: list[str], big: str, big_bytes: int, work: Path, reps: 
     return rows
 
 
+def local_source(args: argparse.Namespace, workers: int) -> tuple[Any, Path, Any, Any]:
+    """(data config, the local dataset directory the store serves, its index, the tokenizer): ``--data`` and
+    ``--tokenizer``, else the demo data, built first when it is missing."""
+    from nanovlm.data.index import load_index
+    from nanovlm.data.tokenizer import load_tokenizer
+
+    cfg = data_config(args, workers)
+    if not args.data:
+        demo_dirs(cfg)
+    source = Path(cfg.data.train[0])
+    tokenizer = load_tokenizer(args.tokenizer or cfg.data.tokenizer, cfg.model.vision.image_splitting)
+    return cfg, source, load_index(source), tokenizer
+
+
 def measure(args: argparse.Namespace, log=print) -> dict[str, Any]:
     """Rounds of every reader (``Readers.run_round``) at each latency; the JSON part of the section."""
     import fsspec
 
-    from nanovlm.data.index import load_index
-    from nanovlm.data.tokenizer import load_tokenizer
-
     plan = RemotePlan.quick() if args.quick else RemotePlan()
     plan.reps = min(plan.reps, args.reps) if args.quick else args.reps
-    cfg = data_config(args, plan.workers)
-    if not args.data:
-        demo_dirs(cfg)
-    source = Path(cfg.data.train[0])
-    index = load_index(source)
-    tokenizer = load_tokenizer(args.tokenizer or cfg.data.tokenizer, cfg.model.vision.image_splitting)
+    cfg, source, index, tokenizer = local_source(args, plan.workers)
     peer = Peers.prepare(source, Path(args.workdir), cfg, tokenizer, index.num_samples, log)
     readers = Readers(args, cfg, tokenizer, plan.workers, Path(args.workdir) / "remote_cache", peer)
     runs: dict[tuple, list[dict[str, Any]]] = {}

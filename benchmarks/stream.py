@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import Stats
-from benchmarks.remote import RemotePlan, store
-from benchmarks.workloads import data_config, demo_dirs
+from benchmarks.remote import RemotePlan, local_source, store
+from benchmarks.workloads import data_config
 
 
 @dataclass
@@ -71,20 +71,12 @@ def measure(args: argparse.Namespace, log=print) -> dict[str, Any]:
     section."""
     import fsspec
 
-    from nanovlm.data.index import load_index
-    from nanovlm.data.tokenizer import load_tokenizer
-
     plan = StreamPlan.quick() if args.quick else StreamPlan()
     plan.reps = min(plan.reps, args.reps) if args.quick else args.reps
-    cfg = data_config(args, plan.workers)
-    if not args.data:
-        demo_dirs(cfg)
-    source = Path(cfg.data.train[0])
-    index = load_index(source)
+    cfg, source, index, tokenizer = local_source(args, plan.workers)
     dataset_bytes = sum(s.size_bytes for s in index.shards)
     small = plan.shards_per_worker * plan.workers * max(s.size_bytes for s in index.shards)
-    caches = {"small": small, "whole": max(2 * dataset_bytes, data_config(args, plan.workers).data.cache_max_bytes)}
-    tokenizer = load_tokenizer(args.tokenizer or cfg.data.tokenizer, cfg.model.vision.image_splitting)
+    caches = {"small": small, "whole": max(2 * dataset_bytes, cfg.data.cache_max_bytes)}
     cache = Path(args.workdir) / "stream_cache"
     local: list[dict[str, Any]] = []
     remote: dict[tuple[str, int], list[dict[str, Any]]] = {(c, ms): [] for c in caches for ms in plan.latencies_ms}
