@@ -206,6 +206,10 @@ class ShardReader:
         files[path] = f
         return f
 
+    def holds(self, path: str) -> bool:
+        """Whether the staged copy of ``path`` is open here: it needs no room in the cache while it is read."""
+        return path in self._staged
+
     def read_members(self, path: str, offset: int, nbytes: int, key: str) -> dict[str, bytes]:
         blob = _pread(self._file(path).fileno(), nbytes, offset)
         if len(blob) != nbytes:

@@ -14,7 +14,7 @@ before they are needed (``Prefetcher``). A staged shard is trusted only after it
 index; it is written under a temporary name and renamed, under a per-shard file lock, so the processes of a
 node share one copy and a crash leaves nothing half-written that is later trusted. The cache stays under
 ``data.cache_max_bytes`` (a fetch reserves its size first): shards the plan does not read next go first, then the
-least recently used on the node.
+least recently used on the node, and copies no worker has read yet last (``UNREAD_S``).
 
 Transient failures (connection resets, timeouts, 5xx, throttling) are retried with exponential backoff and
 jitter (``with_retries``), counted; past the bound, or for an object that is gone, the error names the URL.
@@ -48,6 +48,11 @@ T = TypeVar("T")
 
 REMOTE_SCHEMES = ("s3", "s3a", "gs", "gcs", "http", "https", "hf", "az", "abfs")
 LOCAL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG)  # a write error of the local cache
+# A copy no one has read yet is staged with its mtime this far ahead (a reader's open sets it to now), so eviction,
+# which takes the oldest mtimes first, takes it only after every copy that was read: the workers of a node never
+# evict one another's prefetched shards while read ones remain. One never read (its worker stopped) loses the mark
+# this much later.
+UNREAD_S = 600
 _EXTRAS = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "http": "aiohttp", "https": "aiohttp"}
 
 
@@ -303,7 +308,8 @@ class ShardCache:
     readable through it (an unlinked file lives while it is open), and one evicted between staging and opening is
     simply staged again. Staging and eviction take the shard's file lock, and eviction also a cache-wide one, so
     the processes of a node never fetch one shard twice at once nor delete a copy that is being written or checked.
-    The last use of a staged copy is its mtime (set on every use), which orders eviction across processes.
+    The last read of a staged copy is its mtime (set by ``open``), which orders eviction across processes; a copy
+    staged and not read yet has its mtime ``UNREAD_S`` ahead, so it goes after every copy that was read.
     """
 
     def __init__(
@@ -334,9 +340,16 @@ class ShardCache:
         return self.dir / cache_name(url)
 
     def want(self, urls: Iterable[str]) -> None:
-        """The shards the plan reads next (kept over others when the cache must shrink)."""
+        """The shards the plan reads next, kept over others when the cache must shrink: by this process, and by
+        every process of the node, as unread copies (the staged ones' mtimes are set ``UNREAD_S`` ahead). A copy
+        another worker read last may be the one this worker reads next (their chunks meet in it)."""
+        names = {cache_name(u) for u in urls}
         with self._mutex:
-            self._wanted = {cache_name(u) for u in urls}
+            self._wanted = names
+        now = time.time()
+        for name in names:
+            with contextlib.suppress(FileNotFoundError):
+                os.utime(self.dir / name, (now, now + UNREAD_S))
 
     def open(self, url: str) -> BinaryIO:
         """The staged copy of ``url``, open for reading (fetched and checked first when it is not staged)."""
@@ -348,6 +361,7 @@ class ShardCache:
             except FileNotFoundError:  # evicted by another process between staging and opening: stage again
                 continue
             if os.fstat(f.fileno()).st_size == self.shards[url].size:
+                os.utime(f.fileno())  # read now: eviction's "last used" (and no longer marked unread)
                 self.counters.add(wait_ms=round((time.perf_counter() - t0) * 1000))
                 return f
             f.close()
@@ -383,7 +397,7 @@ class ShardCache:
 
     def _valid(self, path: Path, info: ShardInfo, quick: bool) -> bool:
         """Staged and whole: the size always, the CRC once per process (``quick`` skips a copy not yet checked
-        here, which is then checked under its lock). Marks the copy used (its mtime)."""
+        here, which is then checked under its lock)."""
         try:
             if path.stat().st_size != info.size:
                 return False
@@ -396,7 +410,6 @@ class ShardCache:
                     path.unlink(missing_ok=True)  # under the shard's lock: no one is writing it
                     return False
                 self._checked.add(path.name)
-            os.utime(path)  # the node-wide "last used" that eviction orders by
         except FileNotFoundError:
             self._checked.discard(path.name)
             return False
@@ -418,6 +431,8 @@ class ShardCache:
         try:
             with_retries(fetch_checked, redact(url), self.policy, self.counters)
             with file_lock(self.dir / ".evict.lock"):  # the shard replaces its reservation in one step for eviction
+                now = time.time()
+                os.utime(tmp, (now, now + UNREAD_S))  # not read yet: evicted after every copy that was (_evict)
                 os.replace(tmp, path)  # atomic: a reader sees the whole shard or none
                 reserve.unlink(missing_ok=True)
         except RemoteError:
@@ -467,7 +482,7 @@ class ShardCache:
             return
         with self._mutex:
             wanted = set(self._wanted)
-        staged.sort(key=lambda e: (e[0] in wanted, e[2]))
+        staged.sort(key=lambda e: (e[0] in wanted, e[2]))  # unread copies' mtimes lie ahead: they sort last
         for name, size, _ in staged:
             if total + incoming <= self.max_bytes:
                 break
@@ -547,11 +562,18 @@ def prefetch_depth(cache: ShardCache, wanted: int, workers_on_node: int) -> int:
 
 class Prefetcher:
     """Fetches the shards a worker's plan reads next, in the background: at most ``concurrency`` requests in
-    flight and ``ahead`` shards beyond the one being read. The shard read next goes first, alone: the ones after
-    it start once it is staged, so they never share the link with the shard the reader is waiting for."""
+    flight and ``ahead`` shards beyond the one read next. The shard read next goes first, alone: the ones after
+    it start once it is staged, so they never share the link with the shard the reader is waiting for.
 
-    def __init__(self, cache: ShardCache, concurrency: int = 2, ahead: int = 2) -> None:
-        self.cache, self.ahead = cache, ahead
+    ``held(url)``: whether the worker's reader has the shard open (``ShardReader.holds``). Such a shard is
+    staged and needs no room in the cache, so it neither counts as read next nor takes a place in ``ahead``:
+    a reader still finishing one shard while it reads the next (the packer's look-ahead spans both) does not
+    hold back the fetch of the one after them."""
+
+    def __init__(
+        self, cache: ShardCache, concurrency: int = 2, ahead: int = 2, held: Callable[[str], bool] | None = None
+    ) -> None:
+        self.cache, self.ahead, self.held = cache, ahead, held or (lambda url: False)
         self._pool = ThreadPoolExecutor(max_workers=max(1, concurrency), thread_name_prefix="shard-prefetch")
         self._pending: dict[str, Future] = {}
         self._last: list[str] = []
@@ -561,7 +583,7 @@ class Prefetcher:
     def upcoming(self, urls: Iterable[str]) -> None:
         """``urls``: the shards of the coming reads, in plan order (duplicates and local paths ignored); work is
         done only when the list changed since the last call."""
-        order = list(dict.fromkeys(u for u in urls if is_remote(u)))[: self.ahead + 1]
+        order = list(dict.fromkeys(u for u in urls if is_remote(u) and not self.held(u)))[: self.ahead + 1]
         if order == self._last:
             return
         self.cache.want(order)

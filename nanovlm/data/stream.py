@@ -42,6 +42,7 @@ from nanovlm.data.shards import (
 from nanovlm.data.state import Position
 
 log = logging.getLogger(__name__)
+LOOKAHEAD = 32  # packs whose shards a worker's prefetch considers, this epoch's and then the next one's
 
 
 class SampleRef(NamedTuple):
@@ -111,12 +112,18 @@ class PackStream(IterableDataset):
     def __init__(self, s: StreamSpec, start: Position, first_split: EpochSplit | None = None) -> None:
         self.s, self.start, self._first_split = s, start, first_split
 
-    def _shards_ahead(self, plan: SlotPlan, k: int, packs: int = 32) -> list[str]:
+    def _shards_ahead(self, plan: SlotPlan, k: int, then: SlotPlan | None = None, packs: int = LOOKAHEAD) -> list[str]:
         """The distinct shards of the slot's next ``packs`` packs, by their samples' positions in the epoch: the
         order the producer reads them in (position order, over a window of a few packs), where pack order is not
-        (a pack's samples come from anywhere in the packer's look-ahead)."""
-        ahead = plan.packs[k : k + packs]
-        positions = np.sort(np.concatenate(ahead)) if ahead else np.zeros(0, np.int64)
+        (a pack's samples come from anywhere in the packer's look-ahead). ``then``: the slot's plan of the next
+        epoch, whose first packs fill the window past this epoch's last."""
+        shards = self._shards_of(plan, plan.packs[k : k + packs])
+        if then is not None and k + packs > len(plan.packs):
+            shards += self._shards_of(then, then.packs[: k + packs - len(plan.packs)])
+        return shards
+
+    def _shards_of(self, plan: SlotPlan, packs: list[np.ndarray]) -> list[str]:
+        positions = np.sort(np.concatenate(packs)) if packs else np.zeros(0, np.int64)
         shards = self.s.table.shard_of(plan.gids[positions])
         _, first = np.unique(shards, return_index=True)
         return [self.s.table.shard_paths[i] for i in shards[np.sort(first)].tolist()]
@@ -126,6 +133,7 @@ class PackStream(IterableDataset):
         slot = s.rank * spr + local
         pos = dataclasses.replace(self.start)
         split, plan = s.slot_plan(self._first_split if self._first_split is not None else s.split(pos), slot)
+        following = None  # the next epoch's (position, split, plan), made early so prefetch sees past the epoch end
         k = first_pack
         while True:
             n_packs = len(plan.packs)
@@ -134,7 +142,9 @@ class PackStream(IterableDataset):
                 frontier.advance(done)
             while k < n_packs:
                 if prefetch is not None and (k == 0 or k == first_pack or k % 4 == 0):  # at a start, then every 4
-                    prefetch.upcoming(self._shards_ahead(plan, k))
+                    if following is None and not s.finite and k + LOOKAHEAD > n_packs:
+                        following = self._next_epoch(pos, split, plan, slot)
+                    prefetch.upcoming(self._shards_ahead(plan, k, following[2] if following else None))
                 positions = plan.packs[k]
                 gids = plan.gids[positions]
                 extra: dict[str, Any] = {"epoch": pos.epoch, "index": k * spr + local, "worker_slot": slot}
@@ -157,8 +167,15 @@ class PackStream(IterableDataset):
             if s.finite:
                 return
             k -= n_packs
-            pos = Position(pos.epoch + 1, 0, Carry({slot: plan.carry_out}, split.bound_next), ())
-            split, plan = s.slot_plan(s.split(pos), slot)
+            pos, split, plan = following or self._next_epoch(pos, split, plan, slot)
+            following = None
+
+    def _next_epoch(
+        self, pos: Position, split: EpochSplit, plan: SlotPlan, slot: int
+    ) -> tuple[Position, EpochSplit, SlotPlan]:
+        """The slot's start of the epoch after ``pos``: it packs what this epoch's last pack carried out first."""
+        pos = Position(pos.epoch + 1, 0, Carry({slot: plan.carry_out}, split.bound_next), ())
+        return (pos, *self.s.slot_plan(self.s.split(pos), slot))
 
     def __iter__(self) -> Iterator[dict]:
         s = self.s
@@ -170,7 +187,9 @@ class PackStream(IterableDataset):
         c = self.start.consumed
         local = (worker + c) % spr  # rotation: the DataLoader reads worker 0 first
         reader = ShardReader(cache=s.cache)
-        prefetch = Prefetcher(s.cache, ahead=s.prefetch_shards) if s.cache is not None and s.prefetch_shards else None
+        prefetch = None
+        if s.cache is not None and s.prefetch_shards:
+            prefetch = Prefetcher(s.cache, ahead=s.prefetch_shards, held=reader.holds)
         t, limit = s.table, s.spec.limit
         # with "drop" the plan already left out over-length samples: process without a limit, so a sample whose
         # real length disagrees with the index fails the length check below instead of passing as a skip

@@ -387,6 +387,88 @@ def test_staged_shards_are_checked_shared_and_evicted(data, tmp_path):
         assert not list((tmp_path / "d").glob("*.tar")) and not list((tmp_path / "d").glob(".*part"))
 
 
+def test_eviction_takes_read_copies_before_ones_a_worker_reads_next(data, tmp_path):
+    """Two caches on one directory are two workers of a node, each knowing only its own plan. A copy no one has
+    read yet (a prefetch) and one another worker reads next (``want``) are evicted after every copy that was read,
+    however long ago they were staged: one worker's fetch never evicts what another prefetched for its reader."""
+    index = load_index(data / "a")
+    with http_server(data) as (url, _, _):
+        shards = {f"{url}/a/{s.name}": ShardInfo(s.size_bytes, s.crc32) for s in index.shards}
+        urls = list(shards)
+        size = max(i.size for i in shards.values())
+        w1, w2 = (ShardCache(tmp_path / "c", 2 * size, shards, FAST) for _ in range(2))
+
+        def staged() -> set[str]:
+            return {u for u in urls if w1._path(u).exists()}
+
+        w2.local(urls[0])  # w2's prefetch: staged first, not read yet
+        w1.open(urls[1]).close()  # read by w1
+        w1.local(urls[2])  # the read copy goes, not the older unread one
+        assert staged() == {urls[0], urls[2]}
+        w1.open(urls[2]).close()
+        w2.open(urls[0]).close()  # now both are read, shard 0 last
+        w2.want([urls[2]])  # w1 read it; w2 reads it next
+        w1.local(urls[3])
+        assert staged() == {urls[2], urls[3]}
+        w2.open(urls[2]).close()  # read now: it goes before shard 3, not read yet
+        w1.local(urls[1])
+        assert staged() == {urls[1], urls[3]}
+
+
+def test_a_shard_the_reader_holds_takes_no_place_in_the_prefetch_depth(data, tmp_path):
+    """The packer's look-ahead spans two shards where one ends and the next begins, so a reader often holds the
+    shard it finishes while it reads the next: the one held open needs no fetch and no room in the cache, and the
+    depth counts from the first shard it does not hold."""
+    import time
+
+    from nanovlm.data.reader import ShardReader
+
+    index = load_index(data / "a")
+    with http_server(data) as (url, _, log):
+        shards = {f"{url}/a/{s.name}": ShardInfo(s.size_bytes, s.crc32) for s in index.shards}
+        urls = list(shards)
+        cache = ShardCache(tmp_path / "c", 10 * max(i.size for i in shards.values()), shards, FAST)
+        reader = ShardReader(cache=cache)
+        path, off, n, key = next(iter(index.sample_refs()))
+        reader.read_members(urls[0], off, n, key)
+        assert reader.holds(urls[0]) and not reader.holds(urls[1])
+        prefetch = Prefetcher(cache, concurrency=2, ahead=1, held=reader.holds)
+        prefetch.upcoming(urls[:4])  # held, read next, one ahead, beyond the depth
+        deadline = time.monotonic() + 30
+        while not all(cache._path(u).exists() for u in urls[1:3]) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        prefetch.close()
+        reader.close()
+    assert all(cache._path(u).exists() for u in urls[1:3]) and not cache._path(urls[3]).exists()
+    assert cache.counters.fetched == 3  # shard 0 by the reader, 1 and 2 by prefetch
+
+
+def test_prefetch_near_an_epoch_end_asks_for_the_next_epochs_first_shards(make_dataset, tiny_tokenizer, tmp_path):
+    """A worker's next epoch starts in other shards (its chunk of a new order, after the samples it carries), so
+    within the last packs of an epoch prefetch asks for the shards of the next epoch's first packs, and the new
+    epoch's first reads find them staged rather than waiting for them."""
+    from nanovlm.data.stream import PackStream
+
+    class Asked:
+        def __init__(self) -> None:
+            self.lists: list[list[str]] = []
+
+        def upcoming(self, urls) -> None:
+            self.lists.append(list(urls))
+
+    make_dataset(tmp_path / "ds", 96, samples_per_shard=4, image_token_count=IMAGE_TOKENS)
+    dm = make_dm(make_cfg([tmp_path / "ds"], num_workers=2), tiny_tokenizer)
+    dm.setup("fit")
+    stream, asked = PackStream(dm._stream_spec(), dm.position, dm.current_split()), Asked()
+    packs, n = stream._packs(0, 0, asked), dm.current_split().packs_per_slot
+    read_in_epoch_0 = {r.path for _ in range(n) for r in next(packs).refs}  # slot 0's packs of epoch 0
+    asked_in_epoch_0 = {u for urls in asked.lists for u in urls}
+    first = [next(packs) for _ in range(2)]
+    assert first[0].epoch == 1
+    new_shards = {r.path for p in first for r in p.refs} - read_in_epoch_0
+    assert new_shards and new_shards <= asked_in_epoch_0
+
+
 def _deleted_but_open(directory: Path) -> int:
     """Bytes of the files under ``directory`` that are deleted but still held open by this process."""
     held = 0
