@@ -141,9 +141,9 @@ class PackStream(IterableDataset):
             for done in plan.packs[: min(k, n_packs)]:  # resumed mid-epoch: the packs consumed before
                 frontier.advance(done)
             while k < n_packs:
+                if following is None and not s.finite and k + LOOKAHEAD > n_packs:  # the same work as at the end
+                    following = self._next_epoch(pos, split, plan, slot)
                 if prefetch is not None and (k == 0 or k == first_pack or k % 4 == 0):  # at a start, then every 4
-                    if following is None and not s.finite and k + LOOKAHEAD > n_packs:
-                        following = self._next_epoch(pos, split, plan, slot)
                     prefetch.upcoming(self._shards_ahead(plan, k, following[2] if following else None))
                 positions = plan.packs[k]
                 gids = plan.gids[positions]
