@@ -105,13 +105,10 @@ def warm(fs: Any) -> None:
     if not presignable(fs) or _as_is(fs) or fs.storage_options.get("session") is not None:
         return  # s3fs's transfer, unsigned, signed the user's way, or with the user's own session
     try:
-        from aiobotocore.session import AioSession
-
-        loader, key = _loader(fs.kwargs), _key(fs.kwargs)
+        _loader(fs.kwargs)
+        key = _key(fs.kwargs)
         if _SPARES.get(key, (None,))[0] != os.getpid():  # none of its own yet (an inherited one is its parent's)
-            spare = AioSession(**fs.kwargs)
-            spare.register_component("data_loader", loader)
-            _SPARES[key] = (os.getpid(), spare)
+            _SPARES[key] = (os.getpid(), _new_session(fs.kwargs))
     except Exception as e:  # noqa: BLE001 - each worker then loads its own, as without warm
         log.debug("S3 client data or spare session not preloaded: %s", e)
 
@@ -137,6 +134,18 @@ def _loader(kwargs: dict) -> Any:
     return _LOADERS[key]
 
 
+def _new_session(kwargs: dict) -> Any:
+    """An aiobotocore session made as s3fs makes its own, reading client data from the loader ``warm`` filled
+    for these options, if any."""
+    from aiobotocore.session import AioSession
+
+    session = AioSession(**kwargs)
+    loader = _LOADERS.get(_key(kwargs))
+    if loader is not None:
+        session.register_component("data_loader", loader)
+    return session
+
+
 def _session(fs: Any) -> Any:
     """This process's aiobotocore session for ``fs``'s session options (made as s3fs makes its own): in a process
     forked after ``warm``, the spare it left, else a new one reading client data from the loader ``warm`` filled,
@@ -148,11 +157,7 @@ def _session(fs: Any) -> Any:
         if maker != os.getpid() and _SPARES.pop(key, None) is not None:  # this copy of it is ours alone
             session = spare
         else:
-            from aiobotocore.session import AioSession
-
-            session = AioSession(**fs.kwargs)
-            if key in _LOADERS:
-                session.register_component("data_loader", _LOADERS[key])
+            session = _new_session(fs.kwargs)
         session = _SESSIONS.setdefault(key, session)  # one per process, whichever thread got here first
     return session
 
