@@ -34,7 +34,7 @@ class StreamPlan:
 
     @classmethod
     def quick(cls) -> StreamPlan:
-        return cls(latencies_ms=(20,), epochs=2, reps=1)
+        return cls(latencies_ms=(20,), epochs=3, reps=1)
 
 
 def stream_pass(cfg: Any, tokenizer: Any, epochs: int, sent: Callable[[], int] | None = None) -> dict[str, Any]:

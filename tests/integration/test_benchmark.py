@@ -291,9 +291,10 @@ def test_remote_section_reads_from_s3_behind_a_slow_proxy(tmp_path, make_dataset
 
 
 def test_stream_section_fetches_what_a_small_cache_let_go_and_nothing_twice(tmp_path, make_dataset, tiny_tokenizer):
-    """Two epochs from one loader behind 20 ms, through a cache of 2 shards per worker (4 of the 6 shards) and one
-    that holds the dataset: the timed epoch (the second) fetches again the shards the small cache let go, none
-    twice, and nothing through the large one; its rate is set against local disk's."""
+    """Three epochs from one loader behind 20 ms, through a cache of 2 shards per worker (4 of the 6 shards) and one
+    that holds the dataset: the timed epochs (the second and third; prefetch runs into each next epoch, and on
+    epochs this short the workers run a whole epoch ahead) fetch again the shards the small cache let go, none
+    twice, and nothing through the large one; their rate is set against local disk's."""
     pytest.importorskip("s3fs")
     make_dataset(tmp_path / "ds", 60, samples_per_shard=10)
     tiny_tokenizer.save_pretrained(str(tmp_path / "tok"))
