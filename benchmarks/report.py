@@ -557,14 +557,20 @@ def write_json(doc: dict[str, Any], path: str | os.PathLike) -> Path:
     return out
 
 
+def _remote_source(result: dict) -> str:
+    """The data and the readers of the remote and stream sections, as their reports open."""
+    return (
+        f"{result['samples']} samples in {result['shards']} shards ({result['dataset_bytes'] / 1e6:.1f} MB) from "
+        f"{result['data']}, read by the DataModule with {result['plan']['workers']} workers"
+    )
+
+
 def render_remote(result: dict) -> str:
     plan = result["plan"]
     md = ["## Remote data: S3 on loopback with added latency", ""]
     md.append(
-        f"{result['samples']} samples in {result['shards']} shards ({result['dataset_bytes'] / 1e6:.1f} MB) from "
-        f"{result['data']}, read by the DataModule with {plan['workers']} workers: from local disk, and from moto's "
-        f"S3 server behind a proxy adding the latency to every request with {plan['bandwidth_mb_s']:.0f} MB/s "
-        "shared. Cold: cache emptied before the epoch; warm: the epoch after. One epoch per pass, timed from the "
+        f"{_remote_source(result)}: from local disk, and from moto's S3 server behind a proxy adding the latency to "
+        f"every request with {plan['bandwidth_mb_s']:.0f} MB/s shared. Cold: cache emptied before the epoch; warm: the epoch after. One epoch per pass, timed from the "
         "loader's start to its last batch (*after 1st batch*: the rate after the first batch, and its ratio to the "
         "local one alike; *fetched by 1st "
         "batch*: the share of a cold epoch's bytes the proxy had sent by then), "
@@ -622,9 +628,7 @@ def render_stream(result: dict) -> str:
     plan = result["plan"]
     md = ["## Remote data through a small cache, as a training run streams it", ""]
     md.append(
-        f"{result['samples']} samples in {result['shards']} shards ({result['dataset_bytes'] / 1e6:.1f} MB) from "
-        f"{result['data']}, read by the DataModule with {plan['workers']} workers from moto's S3 server behind a "
-        f"proxy adding the latency to every request with {plan['bandwidth_mb_s']:.0f} MB/s shared, through a cache "
+        f"{_remote_source(result)} from moto's S3 server behind a proxy adding the latency to every request with {plan['bandwidth_mb_s']:.0f} MB/s shared, through a cache "
         f"of {plan['shards_per_worker']} shards per worker ({result['cache_bytes']['small'] / 1e6:.1f} MB), so every "
         "epoch fetches the dataset again, or one that holds all of it, so every epoch after the first reads staged "
         f"copies. {plan['epochs']} epochs per pass from one loader (its workers carry on across "

@@ -258,16 +258,21 @@ def test_tiles_section_packs_real_sizes_and_documents_under_a_tile_budget(tmp_pa
     assert doc["cells"][2]["distribution"]["tiles_mean"] > 5  # documents really are split
 
 
-def test_remote_section_reads_from_s3_behind_a_slow_proxy(tmp_path, make_dataset, tiny_tokenizer):
-    """One epoch from moto's S3 server behind 20 ms of latency, cold and warm, prefetch on and off, each against a
-    local pass; a cold epoch fetches the dataset about once; the transfer's CPU is measured both ways."""
+def _quick_s3_section(section: str, tmp_path, make_dataset, tiny_tokenizer) -> dict:
+    """The JSON of a ``--quick`` run of ``section`` (remote or stream) on 6 shards of 10 samples."""
     pytest.importorskip("s3fs")
     make_dataset(tmp_path / "ds", 60, samples_per_shard=10)
     tiny_tokenizer.save_pretrained(str(tmp_path / "tok"))
-    out = tmp_path / "r.json"
-    args = ["--quick", "--sections", "remote", "--data", str(tmp_path / "ds"), "--tokenizer", str(tmp_path / "tok")]
+    out = tmp_path / f"{section}.json"
+    args = ["--quick", "--sections", section, "--data", str(tmp_path / "ds"), "--tokenizer", str(tmp_path / "tok")]
     assert main([*args, "--workdir", str(tmp_path / "wd"), "--json", str(out)]) == 0
-    doc = json.loads(out.read_text())["sections"]["remote"]
+    return json.loads(out.read_text())["sections"][section]
+
+
+def test_remote_section_reads_from_s3_behind_a_slow_proxy(tmp_path, make_dataset, tiny_tokenizer):
+    """One epoch from moto's S3 server behind 20 ms of latency, cold and warm, prefetch on and off, each against a
+    local pass; a cold epoch fetches the dataset about once; the transfer's CPU is measured both ways."""
+    doc = _quick_s3_section("remote", tmp_path, make_dataset, tiny_tokenizer)
     rows = {(r["latency_ms"], r["prefetch"], r["cold"]): r for r in doc["rows"]}
     assert set(rows) == {(20, p, c) for p in (True, False) for c in (True, False)} | {(None, None, None)}
     # the one round between two local passes, each remote pass against the local rate at its moment
@@ -295,13 +300,7 @@ def test_stream_section_fetches_what_a_small_cache_let_go_and_nothing_twice(tmp_
     that holds the dataset: the timed epochs (the second and third; prefetch runs into each next epoch, and on
     epochs this short the workers run a whole epoch ahead) fetch again the shards the small cache let go, none
     twice, and nothing through the large one; their rate is set against local disk's."""
-    pytest.importorskip("s3fs")
-    make_dataset(tmp_path / "ds", 60, samples_per_shard=10)
-    tiny_tokenizer.save_pretrained(str(tmp_path / "tok"))
-    out = tmp_path / "s.json"
-    args = ["--quick", "--sections", "stream", "--data", str(tmp_path / "ds"), "--tokenizer", str(tmp_path / "tok")]
-    assert main([*args, "--workdir", str(tmp_path / "wd"), "--json", str(out)]) == 0
-    doc = json.loads(out.read_text())["sections"]["stream"]
+    doc = _quick_s3_section("stream", tmp_path, make_dataset, tiny_tokenizer)
     assert doc["cache_bytes"]["small"] < doc["dataset_bytes"] < doc["cache_bytes"]["whole"]
     small, whole, local = doc["rows"]
     assert [r["latency_ms"] for r in doc["rows"]] == [20, 20, None] and local["samples_per_s"]["n"] == 3
