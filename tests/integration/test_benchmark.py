@@ -295,18 +295,20 @@ def test_remote_section_reads_from_s3_behind_a_slow_proxy(tmp_path, make_dataset
         assert row["shard_ms"]["n"] == 5 and min(s["min"] for s in row.values()) > 0
 
 
-def test_stream_section_fetches_what_a_small_cache_let_go_and_nothing_twice(tmp_path, make_dataset, tiny_tokenizer):
+def test_stream_section_fetches_what_a_small_cache_let_go_without_thrashing(tmp_path, make_dataset, tiny_tokenizer):
     """Three epochs from one loader behind 20 ms, through a cache of 2 shards per worker (4 of the 6 shards) and one
     that holds the dataset: the timed epochs (the second and third; prefetch runs into each next epoch, and on
-    epochs this short the workers run a whole epoch ahead) fetch again the shards the small cache let go, none
-    twice, and nothing through the large one; their rate is set against local disk's."""
+    epochs this short the workers run a whole epoch ahead) fetch again the shards the small cache let go, without
+    thrashing, and nothing through the large one; their rate is set against local disk's."""
     doc = _quick_s3_section("stream", tmp_path, make_dataset, tiny_tokenizer)
     assert doc["cache_bytes"]["small"] < doc["dataset_bytes"] < doc["cache_bytes"]["whole"]
     small, whole, local = doc["rows"]
     assert [r["latency_ms"] for r in doc["rows"]] == [20, 20, None] and local["samples_per_s"]["n"] == 3
     for r in (small, whole):
         assert r["samples_per_s"]["median"] > 0 and r["of_local"]["median"] > 0 and r["wait_s"]["min"] >= 0
-    assert 0.1 < small["bytes_per_epoch"]["median"] <= 1.05 and whole["bytes_per_epoch"]["max"] < 0.1
+    # a shard or two of the 6 fetched twice over the two epochs is the plan's (docs/remote.md); workers evicting
+    # each other's prefetched shards fetched 1.9 x per epoch
+    assert 0.1 < small["bytes_per_epoch"]["median"] <= 1.2 and whole["bytes_per_epoch"]["max"] < 0.1
 
 
 def test_a_store_that_fails_is_an_error_at_once(tmp_path):
