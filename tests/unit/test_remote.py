@@ -463,8 +463,8 @@ def test_prefetch_near_an_epoch_end_asks_for_the_next_epochs_first_shards(make_d
     packs, n = stream._packs(0, 0, asked), dm.current_split().packs_per_slot
     read_in_epoch_0 = {r.path for _ in range(n) for r in next(packs).refs}  # slot 0's packs of epoch 0
     asked_in_epoch_0 = {u for urls in asked.lists for u in urls}
-    first = [next(packs) for _ in range(2)]
-    assert first[0].epoch == 1
+    first = [next(packs) for _ in range(n // 2)]  # within the look-ahead of epoch 0's last packs
+    assert first[0].epoch == 1 and first[-1].epoch == 1
     new_shards = {r.path for p in first for r in p.refs} - read_in_epoch_0
     assert new_shards and new_shards <= asked_in_epoch_0
 
