@@ -448,13 +448,13 @@ def test_a_carry_of_another_slot_count_is_refused_by_name():
 
 def test_each_slot_keeps_the_first_packs_its_chunk_packs_into():
     """Epoch 0 (nothing carried): every slot's packs are the first K its balanced chunk packs into (read backwards
-    in even slots), and K is at most the shortest slot's pack count, which is what a plan cutting every slot to
+    in odd slots), and K is at most the shortest slot's pack count, which is what a plan cutting every slot to
     that count keeps."""
     t = make_table(UNEVEN)
     for topo in (Topology(1, 2), Topology(3, 2)):
         order = epoch_order(t, 3, 0, shuffle_buffer=8)
         bounds = balanced_chunks(np.minimum(t.length[order], SPEC.max_tokens), topo.num_slots)
-        chunks = [order[bounds[s] : bounds[s + 1]][:: -1 if s % 2 == 0 else 1] for s in range(topo.num_slots)]
+        chunks = [order[bounds[s] : bounds[s + 1]][:: -1 if s % 2 else 1] for s in range(topo.num_slots)]
         alone = [SPEC.run(t.length[c], t.n_images[c], t.prompt[c]).packs for c in chunks]
         plan = build_epoch_plan(t, SPEC, topo, seed=3, epoch=0, shuffle_buffer=8)
         assert 0 < plan.packs_per_slot <= min(len(p) for p in alone)
@@ -485,7 +485,7 @@ def test_neighbouring_slots_reach_the_shard_they_share_together(world_size, work
             for shard in set(a) & set(b):
                 assert abs(a[shard] - b[shard]) < k / 3, (epoch, slot, shard, a[shard], b[shard], k)
                 met += 1
-        assert met >= topo.num_slots // 2
+        assert met, "no boundary inside a shard that both slots read: the test checks nothing"
 
 
 SPECS = [
