@@ -489,11 +489,11 @@ class EpochSplit:
     """One epoch's (or the rest of one epoch's) order cut into slot chunks, and the pack count K every slot will
     yield: O(N) vectorised metadata work, the same in every process, without packing anything.
 
-    Slot s packs ``chunk(s)`` = its carry, then ``fresh[bounds[s]:bounds[s + 1]]`` (backwards in odd slots). K is a lower bound on the
-    packs any slot's packer makes: a pack holds at most ``capacity`` (tokens, encoder inputs, samples), so a
-    slot with units U makes at least max_d ceil(U_d / capacity_d) packs, and U >= the carry's bound plus the
-    fresh chunk's exact units. Each slot keeps its first K packs and carries the samples of the rest into its
-    own next chunk; the next bound is what K packs cannot have taken, max(0, U_bound - K x capacity).
+    Slot s packs ``chunk(s)`` = its carry, then ``fresh[bounds[s]:bounds[s + 1]]`` (backwards in odd slots). K is
+    a lower bound on the packs any slot's packer makes: a pack holds at most ``capacity`` (tokens, encoder inputs,
+    samples), so a slot with units U makes at least max_d ceil(U_d / capacity_d) packs, and U >= the carry's bound
+    plus the fresh chunk's exact units. Each slot keeps its first K packs and carries the samples of the rest into
+    its own next chunk; the next bound is what K packs cannot have taken, max(0, U_bound - K x capacity).
     """
 
     epoch: int
@@ -513,7 +513,7 @@ class EpochSplit:
         together, both at their end or both at their start, and a node's cache holding a few shards per worker
         fetches it once: read in one direction, one slot would read it first and the other last, after eviction
         (measured: 1.05 x the dataset's bytes per epoch with 2 shards per worker, 32 shards, 2 workers). Slot 0
-        reads forward, so a carried prefix (after a change of topology) still opens the epoch."""
+        reads forward, so a carried prefix, which opens its part after a change of topology, is packed first."""
         fresh = self.fresh[self.bounds[slot] : self.bounds[slot + 1]]
         if slot % 2:
             fresh = fresh[::-1]
@@ -537,8 +537,8 @@ class EpochSplit:
 def split_epoch(
     table: SampleTable, spec: PackSpec, topology: Topology, order: np.ndarray, carry: Carry, epoch: int
 ) -> EpochSplit:
-    """Cut ``order`` (after ``carry.prefix``) into slot chunks balanced in the unit that sets K, carries included, and agree on
-    K from the bound (see ``EpochSplit``)."""
+    """Cut ``order`` (after ``carry.prefix``) into slot chunks balanced in the unit that sets K, carries included,
+    and agree on K from the bound (see ``EpochSplit``)."""
     s = topology.num_slots
     order = np.concatenate([carry.prefix, order]).astype(np.int64) if carry.prefix.size else order
     per_slot = bool(carry.slots) or len(carry.bound) > 0

@@ -272,6 +272,7 @@ def test_elastic_replan_of_a_small_remainder_ends_the_epoch():
     nxt = build_epoch_plan(t, SPEC, Topology(4, 2), seed=0, epoch=4, carry=Carry(prefix=rest.fresh))
     check_partition(nxt, t)
     assert sorted(nxt.order.tolist()) == sorted(left + epoch_order(t, 0, 4).tolist())  # the rest leads epoch 4
+    assert nxt.slots[0].gids[: len(left)].tolist() == rest.fresh.tolist()  # read first: slot 0 reads forward
     assert split_epoch(t, SPEC, Topology(4, 2), rest.fresh, Carry(), epoch=3).packs_per_slot == 0
 
 
