@@ -27,7 +27,9 @@ from nanovlm.data.shards import Carry, ConsumedPart, EpochSplit, PackSpec, Sampl
 from nanovlm.data.tiling import ImageLayout
 
 log = logging.getLogger(__name__)
-STATE_VERSION = 2
+# What a saved state's positions mean: the plan's order and how slots read their chunks. A state of another
+# version would resume into other samples, so it is refused by name. 3: odd slots read their chunk backwards.
+STATE_VERSION = 3
 
 
 class DataStateError(RuntimeError):
