@@ -8,7 +8,7 @@ from our YAML; every URL in a message goes through ``redact`` first, so user:pas
 (presigned tokens) never reach a log, an error or a checkpoint.
 
 Reading is by **whole shards staged in a local cache** (``ShardCache``): the epoch plan reads each slot's shards
-front to back (the order keeps a shard's samples together, docs/data.md), so a shard is fetched once with one
+one after another (the order keeps a shard's samples together, docs/data.md), so a shard is fetched once with one
 request instead of one request per sample, and the plan says which shards come next, so they are fetched
 before they are needed (``Prefetcher``). A staged shard is trusted only after its size and CRC-32 match the
 index; it is written under a temporary name and renamed, under a per-shard file lock, so the processes of a

@@ -28,7 +28,7 @@ from nanovlm.data.tiling import ImageLayout
 
 log = logging.getLogger(__name__)
 # What a saved state's positions mean: the plan's order and how slots read their chunks. A state of another
-# version would resume into other samples, so it is refused by name. 3: odd slots read their chunk backwards.
+# version would resume into other samples, so it is refused by name. 3: odd slots read their shards in reverse order.
 STATE_VERSION = 3
 
 

@@ -447,7 +447,7 @@ def test_prefetch_near_an_epoch_end_asks_for_the_next_epochs_first_shards(make_d
     """A worker's next epoch starts in other shards (its chunk of a new order, after the samples it carries), so
     within the last packs of an epoch prefetch asks for the shards of the next epoch's first packs, and the new
     epoch's first reads find them staged rather than waiting for them."""
-    from nanovlm.data.stream import PackStream
+    from nanovlm.data.stream import LOOKAHEAD, PackStream
 
     class Asked:
         def __init__(self) -> None:
@@ -463,7 +463,8 @@ def test_prefetch_near_an_epoch_end_asks_for_the_next_epochs_first_shards(make_d
     packs, n = stream._packs(0, 0, asked), dm.current_split().packs_per_slot
     read_in_epoch_0 = {r.path for _ in range(n) for r in next(packs).refs}  # slot 0's packs of epoch 0
     asked_in_epoch_0 = {u for urls in asked.lists for u in urls}
-    first = [next(packs) for _ in range(n // 2)]  # within the look-ahead of epoch 0's last packs
+    assert n // 2 < LOOKAHEAD - 1  # the first packs of epoch 1 below lie within epoch 0's last look-ahead
+    first = [next(packs) for _ in range(n // 2)]
     assert first[0].epoch == 1 and first[-1].epoch == 1
     new_shards = {r.path for p in first for r in p.refs} - read_in_epoch_0
     assert new_shards and new_shards <= asked_in_epoch_0

@@ -13,6 +13,7 @@ from nanovlm.data.shards import (
     PlanError,
     SampleTable,
     Topology,
+    _runs_backwards,
     balanced_chunks,
     build_epoch_plan,
     epoch_order,
@@ -448,19 +449,30 @@ def test_a_carry_of_another_slot_count_is_refused_by_name():
 
 
 def test_each_slot_keeps_the_first_packs_its_chunk_packs_into():
-    """Epoch 0 (nothing carried): every slot's packs are the first K its balanced chunk packs into (read backwards
-    in odd slots), and K is at most the shortest slot's pack count, which is what a plan cutting every slot to
-    that count keeps."""
+    """Epoch 0 (nothing carried): every slot's packs are the first K its balanced chunk packs into (shard by shard
+    backwards in odd slots), and K is at most the shortest slot's pack count, which is what a plan cutting every
+    slot to that count keeps."""
     t = make_table(UNEVEN)
     for topo in (Topology(1, 2), Topology(3, 2)):
         order = epoch_order(t, 3, 0, shuffle_buffer=8)
         bounds = balanced_chunks(np.minimum(t.length[order], SPEC.max_tokens), topo.num_slots)
-        chunks = [order[bounds[s] : bounds[s + 1]][:: -1 if s % 2 else 1] for s in range(topo.num_slots)]
+        chunks = [order[bounds[s] : bounds[s + 1]] for s in range(topo.num_slots)]
+        chunks = [_runs_backwards(c, t.shard_start) if s % 2 else c for s, c in enumerate(chunks)]
         alone = [SPEC.run(t.length[c], t.n_images[c], t.prompt[c]).packs for c in chunks]
         plan = build_epoch_plan(t, SPEC, topo, seed=3, epoch=0, shuffle_buffer=8)
         assert 0 < plan.packs_per_slot <= min(len(p) for p in alone)
         for s, (c, packs) in enumerate(zip(chunks, alone)):
             assert packs_of(plan, s) == [c[p].tolist() for p in packs[: plan.packs_per_slot]]
+
+
+def test_runs_of_one_shard_go_backwards_each_forward():
+    """Odd slots reverse the order of their shard runs, not of their samples: each shard is still read forward."""
+    starts = np.array([0, 5, 10, 15])  # three shards of 5 samples
+    gids = np.array([0, 1, 3, 2, 4, 5, 7, 6, 8, 9, 10, 12, 11])
+    assert _runs_backwards(gids, starts).tolist() == [10, 12, 11, 5, 7, 6, 8, 9, 0, 1, 3, 2, 4]
+    mixed = np.array([3, 4, 6, 2, 5, 7])  # shards 0 and 1 interleaved where the shuffle window spans both
+    assert _runs_backwards(mixed, starts).tolist() == [5, 7, 2, 6, 3, 4]
+    assert _runs_backwards(np.zeros(0, np.int64), starts).tolist() == []
 
 
 def _reads(table, plan, slot: int) -> dict[int, float]:
