@@ -98,7 +98,7 @@ class SampleTable:
 
     def shard_of(self, gids: np.ndarray) -> np.ndarray:
         """Shard index of each gid."""
-        return np.searchsorted(self.shard_start, gids, side="right") - 1
+        return shard_index(self.shard_start, gids)
 
     def _local(self, gid: int) -> tuple[int, int]:
         d = int(np.searchsorted(self.dataset_start, gid, side="right")) - 1
@@ -536,11 +536,16 @@ class EpochSplit:
         return replace(self, fresh=self.fresh[a:b].copy(), bounds=np.clip(self.bounds - a, 0, b - a), carry=carry)
 
 
+def shard_index(shard_start: np.ndarray, gids: np.ndarray) -> np.ndarray:
+    """Shard index of each gid, from the shard bounds in gids (``SampleTable.shard_start``)."""
+    return np.searchsorted(shard_start, gids, side="right") - 1
+
+
 def _runs_backwards(gids: np.ndarray, shard_start: np.ndarray) -> np.ndarray:
     """``gids`` with its runs of samples of one shard in reverse order, each run in its own order: a slot that
     goes backwards through its part still reads each shard forward, the direction the kernel's read-ahead
     follows."""
-    shard = np.searchsorted(shard_start, gids, side="right") - 1
+    shard = shard_index(shard_start, gids)
     starts = np.flatnonzero(np.concatenate([[True], shard[1:] != shard[:-1]]))
     lengths = np.diff(np.append(starts, len(gids)))[::-1]
     out_start = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
