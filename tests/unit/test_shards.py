@@ -466,12 +466,18 @@ def test_each_slot_keeps_the_first_packs_its_chunk_packs_into():
 
 
 def test_runs_of_one_shard_go_backwards_each_forward():
-    """Odd slots reverse the order of their shard runs, not of their samples: each shard is still read forward."""
+    """Odd slots reverse the order of their shard runs, not of their samples: each shard is still read forward.
+    Runs are cut in whole blocks, each taken for the shard of its first sample; the short block opens the part."""
     starts = np.array([0, 5, 10, 15])  # three shards of 5 samples
     gids = np.array([0, 1, 3, 2, 4, 5, 7, 6, 8, 9, 10, 12, 11])
-    assert _runs_backwards(gids, starts).tolist() == [10, 12, 11, 5, 7, 6, 8, 9, 0, 1, 3, 2, 4]
+    assert _runs_backwards(gids, starts, block=1).tolist() == [10, 12, 11, 5, 7, 6, 8, 9, 0, 1, 3, 2, 4]
+    # blocks [0] [1 3] [2 4] [5 7] [6 8] [9 10] [12 11]: [9 10] starts in shard 1, so it is read with it
+    assert _runs_backwards(gids, starts, block=2).tolist() == [12, 11, 5, 7, 6, 8, 9, 10, 0, 1, 3, 2, 4]
+    # blocks [0] [1 3 2] [4 5 7] [6 8 9] [10 12 11]: the short block joins the first run however it is cut
+    assert _runs_backwards(gids, starts, block=3).tolist() == [10, 12, 11, 6, 8, 9, 0, 1, 3, 2, 4, 5, 7]
     mixed = np.array([3, 4, 6, 2, 5, 7])  # shards 0 and 1 interleaved where the shuffle window spans both
-    assert _runs_backwards(mixed, starts).tolist() == [5, 7, 2, 6, 3, 4]
+    assert _runs_backwards(mixed, starts, block=1).tolist() == [5, 7, 2, 6, 3, 4]
+    assert _runs_backwards(gids[:1], starts, block=2).tolist() == [0]  # the short block alone
     assert _runs_backwards(np.zeros(0, np.int64), starts).tolist() == []
 
 

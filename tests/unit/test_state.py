@@ -199,8 +199,8 @@ def test_a_malformed_state_or_an_unrecorded_setting_is_a_data_state_error(data, 
         make_dm(cfg, tiny_tokenizer).load_state_dict(older)
     make_dm(cfg, tiny_tokenizer).load_state_dict(state)  # the state itself restores
     # a state of the plan before odd slots read backwards: its positions name other samples now
-    with pytest.raises(DataStateError, match="data state version 2 is not 3: it was saved by another version"):
-        make_dm(cfg, tiny_tokenizer).load_state_dict(dict(state, version=2))
+    with pytest.raises(DataStateError, match="data state version 3 is not 4: it was saved by another version"):
+        make_dm(cfg, tiny_tokenizer).load_state_dict(dict(state, version=3))
 
 
 def test_a_state_missing_slot_carries_is_a_data_state_error():
