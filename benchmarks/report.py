@@ -635,7 +635,8 @@ def render_stream(result: dict) -> str:
         "epoch ends, as in training), timed from the end of the first epoch to the end of the last; "
         f"{plan['reps']} rounds, each remote pass between two local ones. *of local*: against the mean of those "
         "two; *wait s*: what the workers spent opening shards in the timed epochs, summed; *bytes/epoch*: what "
-        "the proxy sent per timed epoch. Median [min-max]."
+        "the proxy sent per timed epoch; *store CPU s*: the CPU time of the store's process (moto's server and the "
+        "proxy, on the same cores) per timed epoch. Median [min-max]."
     )
     md.append("")
     rows = []
@@ -648,9 +649,11 @@ def render_stream(result: dict) -> str:
                 f"{Stats(**r['of_local']).fmt(1, 100)}%" if remote else "",
                 Stats(**r["wait_s"]).fmt(2) if remote else "",
                 Stats(**r["bytes_per_epoch"]).fmt(3) if remote else "",
+                Stats(**r["store_cpu_s"]).fmt(2) if remote else "",
             ]
         )
-    md.append(markdown_table(["source", "samples/s", "of local", "wait s", "bytes/epoch / dataset"], rows))
+    head = ["source", "samples/s", "of local", "wait s", "bytes/epoch / dataset", "store CPU s"]
+    md.append(markdown_table(head, rows))
     return "\n".join(md)
 
 

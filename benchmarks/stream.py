@@ -37,23 +37,26 @@ class StreamPlan:
         return cls(latencies_ms=(20,), epochs=3, reps=1)
 
 
-def stream_pass(cfg: Any, tokenizer: Any, epochs: int, sent: Callable[[], int] | None = None) -> dict[str, Any]:
+def stream_pass(
+    cfg: Any, tokenizer: Any, epochs: int, store_stats: Callable[[], tuple[int, float]] | None = None
+) -> dict[str, Any]:
     """``epochs`` epochs out of one fresh DataModule's loader, timed from the rank's last batch of the first epoch
-    to its last batch of the last (``epoch_end`` in the batch's meta); ``sent``: the store's bytes sent so far."""
+    to its last batch of the last (``epoch_end`` in the batch's meta); ``store_stats``: the bytes the store's proxy
+    has sent so far and the store process's CPU seconds."""
     from nanovlm.data.datamodule import PackedMultimodalDataModule
 
     dm = PackedMultimodalDataModule(cfg.data, cfg.model, tokenizer=tokenizer, rank=0, world_size=1, pin_memory=False)
     dm.setup("fit")
     it = iter(dm.train_dataloader())
     waited: dict[int, int] = {}  # worker slot -> its wait_ms so far
-    marks: list[tuple[float, int, int, dict[int, int]]] = []  # at each epoch's end: time, bytes, samples, waits
+    marks: list[tuple[float, tuple[int, float], int, dict[int, int]]] = []  # per epoch end: time, store, samples, waits
     samples = 0
     while len(marks) < epochs:
         meta = next(it)["meta"]
         samples += meta["n_samples"]
         waited[meta.get("worker_slot", 0)] = (meta.get("remote") or {}).get("wait_ms", 0)
         if meta.get("epoch_end"):
-            marks.append((time.perf_counter(), sent() if sent else 0, samples, dict(waited)))
+            marks.append((time.perf_counter(), store_stats() if store_stats else (0, 0.0), samples, dict(waited)))
     del it
     (t0, b0, s0, w0), (t1, b1, s1, w1) = marks[0], marks[-1]
     return {
@@ -61,9 +64,16 @@ def stream_pass(cfg: Any, tokenizer: Any, epochs: int, sent: Callable[[], int] |
         "seconds": t1 - t0,
         "samples": s1 - s0,
         "samples_per_s": (s1 - s0) / (t1 - t0),
-        "sent_per_epoch": (b1 - b0) / (epochs - 1),
+        "sent_per_epoch": (b1[0] - b0[0]) / (epochs - 1),
+        "store_cpu_per_epoch": (b1[1] - b0[1]) / (epochs - 1),
         "wait_s": sum(ms - w0.get(slot, 0) for slot, ms in w1.items()) / 1e3,
     }
+
+
+def _sent_and_cpu(s3: Any, ms: int) -> tuple[int, float]:
+    """(bytes the proxy of ``ms`` has sent, the store process's CPU seconds) so far."""
+    sent, cpu = s3.stats()
+    return sent[ms], cpu
 
 
 def measure(args: argparse.Namespace, log=print) -> dict[str, Any]:
@@ -89,7 +99,7 @@ def measure(args: argparse.Namespace, log=print) -> dict[str, Any]:
                 remote_cfg = data_config(args, plan.workers)
                 remote_cfg.data.train = ["s3://bench/ds"]  # the endpoint: fsspec's s3 config, set just above
                 remote_cfg.data.cache_dir, remote_cfg.data.cache_max_bytes = str(cache), caches[which]
-                r = stream_pass(remote_cfg, tokenizer, plan.epochs, lambda ms=ms: s3.stats()[0][ms])
+                r = stream_pass(remote_cfg, tokenizer, plan.epochs, lambda ms=ms: _sent_and_cpu(s3, ms))
                 local.append(stream_pass(cfg, tokenizer, plan.epochs))
                 remote[which, ms].append(r | {"local": (local[-2]["samples_per_s"] + local[-1]["samples_per_s"]) / 2})
             log(f"[stream] round {i + 1}/{plan.reps}: local {local[-1]['samples_per_s']:.0f} samples/s")
@@ -105,6 +115,7 @@ def measure(args: argparse.Namespace, log=print) -> dict[str, Any]:
             "of_local": Stats.of([r["samples_per_s"] / r["local"] for r in runs]).to_dict(),
             "wait_s": Stats.of([r["wait_s"] for r in runs]).to_dict(),
             "bytes_per_epoch": Stats.of([r["sent_per_epoch"] / dataset_bytes for r in runs]).to_dict(),
+            "store_cpu_s": Stats.of([r["store_cpu_per_epoch"] for r in runs]).to_dict(),
         }
         for (c, ms), runs in remote.items()
     ]
