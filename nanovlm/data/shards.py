@@ -298,7 +298,7 @@ class PackSpec:
 
 PIECE = 1 << 20  # samples per step of the N-sized passes: temporaries under 32 MB, reused by malloc
 MAX_SHUFFLE_BUFFER = 1 << 20  # data.shuffle_buffer at most: the window shuffle's keys fit one int64
-RUN_BLOCK = 64  # places per block when odd slots cut their part into runs of one shard (_runs_backwards)
+READ_BLOCK = 64  # at most this many places an odd slot reads forward at a time, going backwards (_blocks_backwards)
 
 
 def _rng(seed: int, *parts: int) -> np.random.Generator:
@@ -490,8 +490,8 @@ class EpochSplit:
     """One epoch's (or the rest of one epoch's) order cut into slot chunks, and the pack count K every slot will
     yield: O(N) vectorised metadata work, the same in every process, without packing anything.
 
-    Slot s packs ``chunk(s)`` = its carry, then ``fresh[bounds[s]:bounds[s + 1]]`` (shard by shard backwards in
-    odd slots). K is a lower bound on the packs any slot's packer makes: a pack holds at most ``capacity``
+    Slot s packs ``chunk(s)`` = its carry, then ``fresh[bounds[s]:bounds[s + 1]]`` (backwards, a block at a
+    time, in odd slots). K is a lower bound on the packs any slot's packer makes: a pack holds at most ``capacity``
     (tokens, encoder inputs, samples), so a slot with units U makes at least max_d ceil(U_d / capacity_d) packs,
     and U >= the carry's bound plus the fresh chunk's exact units. Each slot keeps its first K packs and carries the samples of the rest into
     its own next chunk; the next bound is what K packs cannot have taken, max(0, U_bound - K x capacity).
@@ -507,11 +507,11 @@ class EpochSplit:
     skip_counts: dict[str, int]  # reason -> samples of ``fresh`` no pack can take
     units: np.ndarray  # [num_slots, 3]: the (lower bound on) units of every slot's chunk
     n_fresh: int  # samples in ``fresh`` before ``restrict``
-    shard_start: np.ndarray  # int64 [n_shards + 1]: the table's shard bounds in gids (``chunk``)
+    block: int  # places an odd slot reads forward at a time (``read_block``)
 
     def chunk(self, slot: int) -> np.ndarray:
         """Gids slot ``slot`` packs this epoch, in order (its carry must be known here): its carry, then its part
-        of ``fresh``, whose runs of one shard odd slots read in reverse order (``_runs_backwards``). Two
+        of ``fresh``, which odd slots read backwards a block at a time (``_blocks_backwards``). Two
         neighbouring slots then reach the shard their parts share together, both at their end or both at their
         start, and a node's cache holding a few shards per worker fetches it once: read in one direction, one slot
         would read it first and the other last, after eviction (measured: 1.05-1.08 x the dataset's bytes per
@@ -519,7 +519,7 @@ class EpochSplit:
         prefix (after a change of topology) that opens its part is packed first."""
         fresh = self.fresh[self.bounds[slot] : self.bounds[slot + 1]]
         if slot % 2:
-            fresh = _runs_backwards(fresh, self.shard_start)
+            fresh = _blocks_backwards(fresh, self.block)
         if not self.carry.slots:
             return fresh
         if slot not in self.carry.slots:
@@ -542,28 +542,22 @@ def shard_index(shard_start: np.ndarray, gids: np.ndarray) -> np.ndarray:
     return np.searchsorted(shard_start, gids, side="right") - 1
 
 
-def _runs_backwards(gids: np.ndarray, shard_start: np.ndarray, block: int = 0) -> np.ndarray:
-    """``gids`` with its runs of one shard in reverse order, each run in its own order: a slot that goes
-    backwards through its part still reads each shard forward, the direction the kernel's read-ahead follows.
+def read_block(shard_start: np.ndarray) -> int:
+    """An eighth of the mean shard, at most ``READ_BLOCK``: well inside a shard, so the shard two slots share is
+    near the first block an odd slot reads."""
+    return int(np.clip(shard_start[-1] // (8 * max(1, len(shard_start) - 1)), 1, READ_BLOCK))
 
-    Runs are cut in whole blocks of ``block`` places (default: an eighth of the mean shard, at most
-    ``RUN_BLOCK``), each taken for the shard of its first sample; the first block is the short one,
-    ``len(gids) % block`` places, and opens the first run. Looking up the shard of every sample cost ~80 ns a
-    sample, about 1 s for a 12.5M-sample part, paid by every ``chunk`` of an odd slot. A shuffle window mixes
-    neighbouring shards anyway, so a block that straddles two is read with either."""
-    n, n_shards = len(gids), max(1, len(shard_start) - 1)
-    block = block or int(np.clip(shard_start[-1] // (8 * n_shards), 1, RUN_BLOCK))
-    head = n % block  # the short first block's places
+
+def _blocks_backwards(gids: np.ndarray, block: int) -> np.ndarray:
+    """``gids`` cut into blocks of ``block`` places, the blocks in reverse order, each read forward; the short block
+    (``len(gids) % block`` places) opens ``gids``, so it goes last. Reads still go forward ``block`` samples at a
+    time, which the kernel's read-ahead follows, and a shard's samples stay together: a run of one shard read
+    forward as a whole would take with it the other shards' samples that the shuffle window mixed into its ends,
+    and read them a whole shard away from the rest of their own shard (measured: waits for shards that a small
+    cache had let go). No shard is looked up."""
+    head = len(gids) % block
     rows = gids[head:].reshape(-1, block)  # [m, block]
-    if not len(rows):
-        return gids.copy()
-    shard = shard_index(shard_start, rows[:, 0])  # [m]
-    run_rows = np.flatnonzero(np.concatenate([[True], shard[1:] != shard[:-1]]))  # each run's first row
-    lengths = np.diff(np.append(run_rows, len(rows)))[::-1]  # rows per run, last run first
-    out_start = np.concatenate([[0], np.cumsum(lengths)[:-1]])
-    perm = np.repeat(run_rows[::-1] - out_start, lengths) + np.arange(len(rows))  # [m] rows, runs reversed
-    first = len(rows) - int(lengths[-1])  # the first run goes last, with the short block before it, as stored
-    return np.concatenate([rows[perm[:first]].ravel(), gids[: head + (len(rows) - first) * block]])
+    return np.concatenate([rows[::-1].ravel(), gids[:head]])
 
 
 def split_epoch(
@@ -593,7 +587,8 @@ def split_epoch(
     nxt = np.where(cap > 0, np.maximum(0, total - k * cap), 0)
     skips = _named({r: int(c) for r, c in zip(packing.SKIP_REASONS, counts[1:]) if c}, table)
     carry = carry if per_slot else Carry()
-    return EpochSplit(epoch, topology, order, bounds, carry, k, nxt, skips, total, len(order), table.shard_start)
+    block = read_block(table.shard_start)
+    return EpochSplit(epoch, topology, order, bounds, carry, k, nxt, skips, total, len(order), block)
 
 
 def _packable_tokens(

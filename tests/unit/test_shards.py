@@ -13,12 +13,13 @@ from nanovlm.data.shards import (
     PlanError,
     SampleTable,
     Topology,
-    _runs_backwards,
+    _blocks_backwards,
     balanced_chunks,
     build_epoch_plan,
     epoch_order,
     pack_slot,
     plan_split,
+    read_block,
     split_epoch,
 )
 
@@ -457,7 +458,7 @@ def test_each_slot_keeps_the_first_packs_its_chunk_packs_into():
         order = epoch_order(t, 3, 0, shuffle_buffer=8)
         bounds = balanced_chunks(np.minimum(t.length[order], SPEC.max_tokens), topo.num_slots)
         chunks = [order[bounds[s] : bounds[s + 1]] for s in range(topo.num_slots)]
-        chunks = [_runs_backwards(c, t.shard_start) if s % 2 else c for s, c in enumerate(chunks)]
+        chunks = [_blocks_backwards(c, read_block(t.shard_start)) if s % 2 else c for s, c in enumerate(chunks)]
         alone = [SPEC.run(t.length[c], t.n_images[c], t.prompt[c]).packs for c in chunks]
         plan = build_epoch_plan(t, SPEC, topo, seed=3, epoch=0, shuffle_buffer=8)
         assert 0 < plan.packs_per_slot <= min(len(p) for p in alone)
@@ -465,20 +466,30 @@ def test_each_slot_keeps_the_first_packs_its_chunk_packs_into():
             assert packs_of(plan, s) == [c[p].tolist() for p in packs[: plan.packs_per_slot]]
 
 
-def test_runs_of_one_shard_go_backwards_each_forward():
-    """Odd slots reverse the order of their shard runs, not of their samples: each shard is still read forward.
-    Runs are cut in whole blocks, each taken for the shard of its first sample; the short block opens the part."""
-    starts = np.array([0, 5, 10, 15])  # three shards of 5 samples
-    gids = np.array([0, 1, 3, 2, 4, 5, 7, 6, 8, 9, 10, 12, 11])
-    assert _runs_backwards(gids, starts, block=1).tolist() == [10, 12, 11, 5, 7, 6, 8, 9, 0, 1, 3, 2, 4]
-    # blocks [0] [1 3] [2 4] [5 7] [6 8] [9 10] [12 11]: [9 10] starts in shard 1, so it is read with it
-    assert _runs_backwards(gids, starts, block=2).tolist() == [12, 11, 5, 7, 6, 8, 9, 10, 0, 1, 3, 2, 4]
-    # blocks [0] [1 3 2] [4 5 7] [6 8 9] [10 12 11]: the short block joins the first run however it is cut
-    assert _runs_backwards(gids, starts, block=3).tolist() == [10, 12, 11, 6, 8, 9, 0, 1, 3, 2, 4, 5, 7]
-    mixed = np.array([3, 4, 6, 2, 5, 7])  # shards 0 and 1 interleaved where the shuffle window spans both
-    assert _runs_backwards(mixed, starts, block=1).tolist() == [5, 7, 2, 6, 3, 4]
-    assert _runs_backwards(gids[:1], starts, block=2).tolist() == [0]  # the short block alone
-    assert _runs_backwards(np.zeros(0, np.int64), starts).tolist() == []
+def test_odd_slots_go_backwards_a_block_at_a_time_each_forward():
+    """Odd slots reverse the order of their blocks, not of their samples: reads still go forward a block at a time.
+    The short block opens the part, so it is read last."""
+    gids = np.arange(100, 113)
+    assert _blocks_backwards(gids, block=4).tolist() == [
+        109,
+        110,
+        111,
+        112,
+        105,
+        106,
+        107,
+        108,
+        101,
+        102,
+        103,
+        104,
+        100,
+    ]
+    assert _blocks_backwards(gids, block=1).tolist() == gids[::-1].tolist()
+    assert _blocks_backwards(gids, block=13).tolist() == gids.tolist()
+    assert _blocks_backwards(gids[:3], block=4).tolist() == [100, 101, 102]  # the short block alone
+    assert _blocks_backwards(np.zeros(0, np.int64), block=4).tolist() == []
+    assert read_block(np.array([0, 37, 74])) == 4 and read_block(np.array([0, 5000])) == 64  # an eighth, at most 64
 
 
 def _reads(table, plan, slot: int) -> dict[int, float]:
