@@ -98,7 +98,7 @@ class SampleTable:
 
     def shard_of(self, gids: np.ndarray) -> np.ndarray:
         """Shard index of each gid."""
-        return shard_index(self.shard_start, gids)
+        return np.searchsorted(self.shard_start, gids, side="right") - 1
 
     def _local(self, gid: int) -> tuple[int, int]:
         d = int(np.searchsorted(self.dataset_start, gid, side="right")) - 1
@@ -535,11 +535,6 @@ class EpochSplit:
         a, b = self.bounds[lo], self.bounds[hi]
         carry = Carry({s: g for s, g in self.carry.slots.items() if lo <= s < hi}, self.carry.bound)
         return replace(self, fresh=self.fresh[a:b].copy(), bounds=np.clip(self.bounds - a, 0, b - a), carry=carry)
-
-
-def shard_index(shard_start: np.ndarray, gids: np.ndarray) -> np.ndarray:
-    """Shard index of each gid, from the shard bounds in gids (``SampleTable.shard_start``)."""
-    return np.searchsorted(shard_start, gids, side="right") - 1
 
 
 def read_block(shard_start: np.ndarray) -> int:
