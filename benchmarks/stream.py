@@ -58,14 +58,14 @@ def stream_pass(
         if meta.get("epoch_end"):
             marks.append((time.perf_counter(), store_stats() if store_stats else (0, 0.0), samples, dict(waited)))
     del it
-    (t0, b0, s0, w0), (t1, b1, s1, w1) = marks[0], marks[-1]
+    (t0, (sent0, cpu0), s0, w0), (t1, (sent1, cpu1), s1, w1) = marks[0], marks[-1]
     return {
         "t": (t0 + t1) / 2,
         "seconds": t1 - t0,
         "samples": s1 - s0,
         "samples_per_s": (s1 - s0) / (t1 - t0),
-        "sent_per_epoch": (b1[0] - b0[0]) / (epochs - 1),
-        "store_cpu_per_epoch": (b1[1] - b0[1]) / (epochs - 1),
+        "sent_per_epoch": (sent1 - sent0) / (epochs - 1),
+        "store_cpu_per_epoch": (cpu1 - cpu0) / (epochs - 1),
         "wait_s": sum(ms - w0.get(slot, 0) for slot, ms in w1.items()) / 1e3,
     }
 

@@ -546,10 +546,9 @@ def read_block(shard_start: np.ndarray) -> int:
 def _blocks_backwards(gids: np.ndarray, block: int) -> np.ndarray:
     """``gids`` cut into blocks of ``block`` places, the blocks in reverse order, each read forward; the short block
     (``len(gids) % block`` places) opens ``gids``, so it goes last. Reads still go forward ``block`` samples at a
-    time, which the kernel's read-ahead follows, and a shard's samples stay together: a run of one shard read
-    forward as a whole would take with it the other shards' samples that the shuffle window mixed into its ends,
-    and read them a whole shard away from the rest of their own shard (measured: waits for shards that a small
-    cache had let go). No shard is looked up."""
+    time, which the kernel's read-ahead follows, and a shard's samples stay together: places that lie within d of
+    each other lie within d + 2 x block after. No shard is looked up (reversing the runs of one shard instead
+    looks up every sample's, ~80 ns a sample: about 1 s for a 12.5M-sample part, paid by every ``chunk``)."""
     head = len(gids) % block
     rows = gids[head:].reshape(-1, block)  # [m, block]
     return np.concatenate([rows[::-1].ravel(), gids[:head]])

@@ -28,8 +28,8 @@ from nanovlm.data.tiling import ImageLayout
 
 log = logging.getLogger(__name__)
 # What a saved state's positions mean: the plan's order and how slots read their chunks. A state of another
-# version would resume into other samples, so it is refused by name. 4: odd slots read their part backwards, 64
-# places at a time.
+# version would resume into other samples, so it is refused by name. 4: odd slots read their part backwards a
+# block at a time (shards.read_block).
 STATE_VERSION = 4
 
 

@@ -309,7 +309,8 @@ def test_stream_section_fetches_what_a_small_cache_let_go_without_thrashing(tmp_
     # a shard or two of the 6 fetched twice over the two epochs is the plan's (docs/remote.md); workers evicting
     # each other's prefetched shards fetched 1.9 x per epoch
     assert 0.1 < small["bytes_per_epoch"]["median"] <= 1.2 and whole["bytes_per_epoch"]["max"] < 0.1
-    assert small["store_cpu_s"]["min"] > 0 and whole["store_cpu_s"]["min"] >= 0  # what serving the epochs cost it
+    # what serving the epochs cost the store: warm epochs fetch nothing
+    assert 0 <= whole["store_cpu_s"]["median"] < small["store_cpu_s"]["median"]
 
 
 def test_a_store_that_fails_is_an_error_at_once(tmp_path):

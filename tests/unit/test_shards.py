@@ -450,8 +450,8 @@ def test_a_carry_of_another_slot_count_is_refused_by_name():
 
 
 def test_each_slot_keeps_the_first_packs_its_chunk_packs_into():
-    """Epoch 0 (nothing carried): every slot's packs are the first K its balanced chunk packs into (shard by shard
-    backwards in odd slots), and K is at most the shortest slot's pack count, which is what a plan cutting every
+    """Epoch 0 (nothing carried): every slot's packs are the first K its balanced chunk packs into (backwards a
+    block at a time in odd slots), and K is at most the shortest slot's pack count, which is what a plan cutting every
     slot to that count keeps."""
     t = make_table(UNEVEN)
     for topo in (Topology(1, 2), Topology(3, 2)):
@@ -490,6 +490,20 @@ def test_odd_slots_go_backwards_a_block_at_a_time_each_forward():
     assert _blocks_backwards(gids[:3], block=4).tolist() == [100, 101, 102]  # the short block alone
     assert _blocks_backwards(np.zeros(0, np.int64), block=4).tolist() == []
     assert read_block(np.array([0, 37, 74])) == 4 and read_block(np.array([0, 5000])) == 64  # an eighth, at most 64
+    assert read_block(np.array([0, 5])) == 1
+
+
+def test_an_odd_slot_keeps_each_shard_s_samples_together():
+    """Going backwards a block at a time keeps a shard's samples within its length plus the shuffle window's reach
+    and a block on each side, so a small cache needs it once: a shard that comes back after others is fetched twice."""
+    t, b = make_table([[40] * 12]), 8
+    split = plan_split(t, SPEC, Topology(1, 2), seed=5, epoch=0, shuffle_buffer=b)
+    block = read_block(t.shard_start)
+    for slot in (0, 1):
+        shard = t.shard_of(split.chunk(slot))
+        for s in np.unique(shard):
+            at = np.flatnonzero(shard == s)
+            assert at[-1] - at[0] < 40 + 2 * b + 2 * block, (slot, s, at.tolist())
 
 
 def _reads(table, plan, slot: int) -> dict[int, float]:

@@ -198,7 +198,7 @@ def test_a_malformed_state_or_an_unrecorded_setting_is_a_data_state_error(data, 
     with pytest.raises(DataStateError, match=r"prompt_only_skips: \(not recorded\) -> '"):
         make_dm(cfg, tiny_tokenizer).load_state_dict(older)
     make_dm(cfg, tiny_tokenizer).load_state_dict(state)  # the state itself restores
-    # a state of the plan before odd slots read backwards: its positions name other samples now
+    # a state of the plan where odd slots reversed their runs of one shard: its positions name other samples now
     with pytest.raises(DataStateError, match="data state version 3 is not 4: it was saved by another version"):
         make_dm(cfg, tiny_tokenizer).load_state_dict(dict(state, version=3))
 
