@@ -490,11 +490,12 @@ class EpochSplit:
     """One epoch's (or the rest of one epoch's) order cut into slot chunks, and the pack count K every slot will
     yield: O(N) vectorised metadata work, the same in every process, without packing anything.
 
-    Slot s packs ``chunk(s)`` = its carry, then ``fresh[bounds[s]:bounds[s + 1]]`` (backwards, a block at a
-    time, in odd slots). K is a lower bound on the packs any slot's packer makes: a pack holds at most ``capacity``
-    (tokens, encoder inputs, samples), so a slot with units U makes at least max_d ceil(U_d / capacity_d) packs,
-    and U >= the carry's bound plus the fresh chunk's exact units. Each slot keeps its first K packs and carries the samples of the rest into
-    its own next chunk; the next bound is what K packs cannot have taken, max(0, U_bound - K x capacity).
+    Slot s packs ``chunk(s)`` = its carry, then ``fresh[bounds[s]:bounds[s + 1]]`` (backwards, a block at a time, in
+    odd slots). K is a lower bound on the packs any slot's packer makes: a pack holds at most ``capacity`` (tokens,
+    encoder inputs, samples), so a slot with units U makes at least max_d ceil(U_d / capacity_d) packs, and U >= the
+    carry's bound plus the fresh chunk's exact units. Each slot keeps its first K packs and carries the samples of
+    the rest into its own next chunk; the next bound is what K packs cannot have taken, max(0, U_bound - K x
+    capacity).
     """
 
     epoch: int
