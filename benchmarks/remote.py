@@ -1,10 +1,10 @@
-"""The ``remote`` section: the DataModule reading a dataset from an S3 API server (moto's, on loopback) behind a
-proxy that adds a fixed latency to every request and caps the bandwidth, against the same shards on local disk,
-beside the peers (benchmarks/peers.py) reading the same samples from the same server. The server and the proxy run
-in a process of their own (``store``), as a store would, whose CPU each pass reports.
+"""The ``remote`` section: the DataModule reading a dataset from an S3 API server (moto's, on loopback) that
+adds a fixed latency to every request and caps the bandwidth (``SlowStore``), against the same shards on local
+disk, beside the peers (benchmarks/peers.py) reading the same samples from the same server. The server runs in a
+process of its own (``store``), as a store would, whose CPU each pass reports.
 
 Per row: samples/s over one epoch with ``workers`` DataLoader workers, with a cold cache (emptied before the
-pass) and a warm one (the pass after), prefetch on and off, and the bytes the proxy sent per epoch against the
+pass) and a warm one (the pass after), prefetch on and off, and the bytes the store sent per epoch against the
 dataset's size. The passes run in rounds (``Readers.run_round``): every reader cold, then every reader warm, each
 round between two passes of every reader from local disk (``Readers.local_round``), so each remote pass is compared
 with its own reader's local rate at that moment (``bracketed``) and with the other readers' passes of the same row
@@ -15,14 +15,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import http.client
 import os
 import shutil
 import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -30,8 +28,7 @@ from typing import Any
 from benchmarks.common import Stats
 from benchmarks.workloads import data_config, demo_dirs
 
-CHUNK = 1 << 18  # the proxy's write size: the bandwidth cap is kept per chunk
-HOP_HEADERS = {"connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade", "proxy-connection"}
+CHUNK = 1 << 18  # the slow store's write size: the bandwidth cap is kept per chunk
 
 
 @dataclass
@@ -62,96 +59,54 @@ class RateLimit:
             time.sleep(wait)
 
 
-@dataclass
-class Proxy:
-    """What the proxy did: requests and bytes sent to clients."""
+class SlowStore:
+    """moto's WSGI app with a fixed latency before every answer and a bandwidth cap on the bodies, both kept in
+    the server's own request threads: the store stands for a far one, whose CPU is not the loaders'. A proxy in
+    front of the server (a second HTTP hop, every body read and written again) would cost the store's process
+    more CPU than moto itself, on the cores the loaders run on. Counts the body bytes it sends."""
 
-    latency_s: float
-    limit: RateLimit
-    requests: int = 0
-    bytes_out: int = 0
-    lock: threading.Lock = field(default_factory=threading.Lock)
+    def __init__(self, app: Callable, latency_ms: float, bandwidth_mb_s: float) -> None:
+        self.app, self.latency_s, self.limit = app, latency_ms / 1000, RateLimit(bandwidth_mb_s * 1e6)
+        self.bytes_out, self.lock = 0, threading.Lock()
 
+    def __call__(self, environ: dict, start_response: Callable) -> Iterator[bytes]:
+        time.sleep(self.latency_s)  # the round trip to a far store: before the first byte
+        body = self.app(environ, start_response)
+        return body if environ["REQUEST_METHOD"] == "HEAD" else self._paced(body)
 
-def _handler(upstream: tuple[str, int], proxy: Proxy):
-    local = threading.local()
-
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
-
-        def log_message(self, *args) -> None:
-            pass
-
-        def _upstream(self) -> http.client.HTTPConnection:
-            if getattr(local, "conn", None) is None:
-                local.conn = http.client.HTTPConnection(*upstream, timeout=60)
-            return local.conn
-
-        def _forward(self) -> None:
-            body = self.rfile.read(int(self.headers.get("Content-Length", 0) or 0))
-            headers = {k: v for k, v in self.headers.items() if k.lower() not in HOP_HEADERS}
-            time.sleep(proxy.latency_s)  # the round trip to a far store: before the first byte
-            for attempt in range(2):
-                conn = self._upstream()
-                try:
-                    conn.request(self.command, self.path, body=body or None, headers=headers)
-                    resp = conn.getresponse()
-                    data = resp.read()
-                    break
-                except (http.client.HTTPException, OSError):
-                    conn.close()
-                    local.conn = None
-                    if attempt:
-                        raise
-            self.send_response(resp.status, resp.reason)
-            head = self.command == "HEAD"  # its Content-Length is the object's size: passed on as is
-            for k, v in resp.getheaders():
-                if k.lower() not in HOP_HEADERS and (head or k.lower() != "content-length"):
-                    self.send_header(k, v)
-            if not head:
-                self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            if self.command != "HEAD":
-                view = memoryview(data)  # slices without copies: the proxy stands for the network, not for work
-                for i in range(0, len(data), CHUNK):
-                    chunk = view[i : i + CHUNK]
-                    proxy.limit.take(len(chunk))
-                    self.wfile.write(chunk)
-            with proxy.lock:
-                proxy.requests += 1
-                proxy.bytes_out += len(data) if self.command != "HEAD" else 0
-
-        do_GET = do_HEAD = do_PUT = do_POST = do_DELETE = _forward
-
-    return Handler
+    def _paced(self, body: Any) -> Iterator[bytes]:
+        try:
+            for part in body:
+                for i in range(0, len(part), CHUNK):
+                    chunk = part[i : i + CHUNK]
+                    self.limit.take(len(chunk))
+                    yield chunk
+                    with self.lock:
+                        self.bytes_out += len(chunk)
+        finally:
+            if hasattr(body, "close"):
+                body.close()
 
 
 @contextlib.contextmanager
-def slow_proxy(upstream: tuple[str, int], latency_ms: float, bandwidth_mb_s: float):
-    """A reverse proxy on 127.0.0.1 in front of ``upstream``; yields (its URL, its Proxy counters)."""
-    proxy = Proxy(latency_ms / 1000, RateLimit(bandwidth_mb_s * 1e6))
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(upstream, proxy))
-    server.daemon_threads = True
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}", proxy
-    finally:
-        server.shutdown()
-        server.server_close()
-
-
-@contextlib.contextmanager
-def s3_bucket(sources: dict[str, Path], extra: dict[str, Path] | None = None):
-    """moto's S3 server with each ``sources`` directory uploaded to s3://BUCKET/ds, and each ``extra`` file to its
-    BUCKET/KEY; yields (host, port)."""
+def s3_servers(sources: dict[str, Path], extra: dict[str, Path], latencies: tuple[int, ...], bandwidth_mb_s: float):
+    """moto's S3 server on 127.0.0.1 with each ``sources`` directory uploaded to s3://BUCKET/ds and each ``extra``
+    file to its BUCKET/KEY, answering on one port as is and on one more per latency as a ``SlowStore``; yields
+    ((host, port) of the plain one, {latency: (its URL, its SlowStore)})."""
     import logging
 
-    from moto.server import ThreadedMotoServer
+    from moto.moto_server.werkzeug_app import DomainDispatcherApplication, create_backend_app
+    from werkzeug.serving import make_server
 
     logging.getLogger("werkzeug").setLevel(logging.ERROR)  # its server logs every request otherwise
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
+    app = DomainDispatcherApplication(create_backend_app)  # one app, one set of buckets, for every port
+    slow = {ms: SlowStore(app, ms, bandwidth_mb_s) for ms in latencies}
+    servers = [make_server("127.0.0.1", 0, app, threaded=True)]
+    servers += [make_server("127.0.0.1", 0, s, threaded=True) for s in slow.values()]
+    for server in servers:
+        server.daemon_threads = True
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+    host, port = servers[0].server_address[:2]
     try:
         with aws_env(f"http://{host}:{port}"):
             import fsspec
@@ -165,9 +120,12 @@ def s3_bucket(sources: dict[str, Path], extra: dict[str, Path] | None = None):
                         fs.put_file(str(p), f"{bucket}/ds/{p.relative_to(local_dir).as_posix()}")
             for key, p in (extra or {}).items():
                 fs.put_file(str(p), key)
-            yield host, port
+        urls = {ms: f"http://127.0.0.1:{server.server_address[1]}" for ms, server in zip(slow, servers[1:])}
+        yield (host, port), {ms: (urls[ms], slow[ms]) for ms in slow}
     finally:
-        server.stop()
+        for server in servers:
+            server.shutdown()
+            server.server_close()
 
 
 @contextlib.contextmanager
@@ -187,27 +145,26 @@ def aws_env(endpoint: str):
 def _serve(
     conn: Connection, sources: dict[str, Path], extra: dict[str, Path], latencies: tuple[int, ...], bandwidth: float
 ) -> None:
-    """The store's process (``store``): moto's S3 server and a slow proxy per latency, answering each ``stats``
-    with what each proxy has sent and this process's CPU seconds so far, until told anything else."""
-    with s3_bucket(sources, extra) as upstream, contextlib.ExitStack() as stack:
-        proxies = {ms: stack.enter_context(slow_proxy(upstream, ms, bandwidth)) for ms in latencies}
-        conn.send((upstream, {ms: url for ms, (url, _) in proxies.items()}))
+    """The store's process (``store``): ``s3_servers``, answering each ``stats`` with what each slow port
+    has sent and this process's CPU seconds so far, until told anything else."""
+    with s3_servers(sources, extra, latencies, bandwidth) as (upstream, slow):
+        conn.send((upstream, {ms: url for ms, (url, _) in slow.items()}))
         while conn.recv() == "stats":
-            conn.send(({ms: counters.bytes_out for ms, (_, counters) in proxies.items()}, time.process_time()))
+            conn.send(({ms: s.bytes_out for ms, (_, s) in slow.items()}, time.process_time()))
 
 
 @dataclass
 class Store:
-    """The S3 server and its proxies, running in a child process: what a pass costs the store is that process's
-    CPU, and its threads never hold the measuring process's interpreter lock (a store on another machine does
-    neither). The endpoint in this process's environment is the server itself, without a proxy."""
+    """The S3 server, running in a child process: what a pass costs the store is that process's CPU, and its
+    threads never hold the measuring process's interpreter lock (a store on another machine does neither). The
+    endpoint in this process's environment is the server's plain port, without latency."""
 
     proc: Any  # its multiprocessing Process
     conn: Connection
-    urls: dict[int, str]  # latency ms -> its proxy's URL
+    urls: dict[int, str]  # latency ms -> the URL of its slow port
 
     def stats(self) -> tuple[dict[int, int], float]:
-        """(bytes each proxy has sent, by latency; the store process's CPU seconds), so far."""
+        """(bytes each slow port has sent, by latency; the store process's CPU seconds), so far."""
         try:
             self.conn.send("stats")
             if self.conn.poll(60):  # (an exited store is an EOF at once)
@@ -221,7 +178,7 @@ class Store:
 def store(
     sources: dict[str, Path], extra: dict[str, Path], latencies: tuple[int, ...], bandwidth_mb_s: float
 ) -> Iterator[Store]:
-    """``s3_bucket`` and one ``slow_proxy`` per latency in a child process; yields its Store."""
+    """``s3_servers`` in a child process; yields its Store."""
     import multiprocessing as mp
     from multiprocessing.connection import wait
 
@@ -357,7 +314,7 @@ def bracketed(runs: dict[tuple, list], brackets: list[dict[str, tuple[float, dic
 @dataclass
 class Readers:
     """Every loader the section times: ours with prefetch on and off, and the peers that import here. Each reads
-    one epoch from local disk (``url`` None) or from the S3 server behind the proxy at ``url``."""
+    one epoch from local disk (``url`` None) or from the S3 server's slow port at ``url``."""
 
     args: argparse.Namespace
     cfg: Any
@@ -374,7 +331,7 @@ class Readers:
         return names[::-1] if flip else names
 
     def epoch(self, name: str, url: str | None, on_first: Callable[[], None] | None = None) -> dict[str, Any]:
-        """One epoch of reader ``name``: from local disk, or from S3 through the proxy at ``url``."""
+        """One epoch of reader ``name``: from local disk, or from S3 through the slow port at ``url``."""
         if name not in (OURS, OURS_NO_PREFETCH):
             if url is None:
                 return self.peer.epoch(name, str(self.peer.dirs[name]), on_first=on_first)
@@ -383,7 +340,7 @@ class Readers:
         if url is None:
             return epoch_rate(self.cfg, self.tokenizer, on_first)
         cfg = data_config(self.args, self.workers)
-        cfg.data.train = ["s3://bench/ds"]  # the endpoint: fsspec's s3 config, set per proxy in ``measure``
+        cfg.data.train = ["s3://bench/ds"]  # the endpoint: fsspec's s3 config, set per latency in ``measure``
         cfg.data.cache_dir = str(self.cache_of(name))
         cfg.data.prefetch_shards = 2 if name == OURS else 0
         return epoch_rate(cfg, self.tokenizer, on_first)
@@ -416,7 +373,7 @@ class Readers:
 
     def _pass(self, name: str, latency: int | None, store: Store) -> dict[str, Any]:
         """``epoch`` (from local disk where ``latency`` is None), with its time (the middle of the pass), the
-        store's CPU seconds during it, the bytes its proxy sent, and those it had sent by the first batch."""
+        store's CPU seconds during it, the bytes its slow port sent, and those it had sent by the first batch."""
         sent0, cpu0 = store.stats()
         at_first: list[dict[int, int]] = []
         t0 = time.perf_counter()
@@ -521,7 +478,7 @@ def measure(args: argparse.Namespace, log=print) -> dict[str, Any]:
         log(f"[remote] transfer CPU per shard: {per_shard}")
         readers.local_round(runs, s3)
         for latency in plan.latencies_ms:
-            fsspec.config.conf["s3"] = {"endpoint_url": s3.urls[latency]}  # a new client (cache key) per proxy
+            fsspec.config.conf["s3"] = {"endpoint_url": s3.urls[latency]}  # a new client (cache key) per latency
             for i in range(plan.reps):
                 readers.run_round(runs, latency, s3, flip=i % 2 == 1)
                 readers.local_round(runs, s3)

@@ -569,17 +569,17 @@ def render_remote(result: dict) -> str:
     plan = result["plan"]
     md = ["## Remote data: S3 on loopback with added latency", ""]
     md.append(
-        f"{_remote_source(result)}: from local disk, and from moto's S3 server behind a proxy adding the latency to "
+        f"{_remote_source(result)}: from local disk, and from moto's S3 server adding the latency to "
         f"every request with {plan['bandwidth_mb_s']:.0f} MB/s shared. Cold: cache emptied before the epoch; warm: the epoch after. One epoch per pass, timed from the "
         "loader's start to its last batch (*after 1st batch*: the rate after the first batch, and its ratio to the "
         "local one alike; *fetched by 1st "
-        "batch*: the share of a cold epoch's bytes the proxy had sent by then), "
+        "batch*: the share of a cold epoch's bytes the store had sent by then), "
         f"in {plan['reps']} rounds (every loader cold, then warm, each round between two passes of "
         "every loader from local disk); *of local*: each pass against its loader's local rate at that moment, "
-        "interpolated between the two (median [min-max]); *store CPU s*: CPU time of the S3 server's and "
-        "proxy's process during the pass (its own process, on the same cores as the workers); *wait s*: "
+        "interpolated between the two (median [min-max]); *store CPU s*: CPU time of the S3 server's "
+        "process during the pass (its own process, on the same cores as the workers); *wait s*: "
         "what the workers spent opening shards after each one's first batch, summed (fetching one, or waiting on "
-        "its prefetch); *bytes/epoch* counts what the proxy sent (index included)."
+        "its prefetch); *bytes/epoch* counts what the store sent (index included)."
     )
     md.append("")
     rows = []
@@ -628,15 +628,15 @@ def render_stream(result: dict) -> str:
     plan = result["plan"]
     md = ["## Remote data through a small cache, as a training run streams it", ""]
     md.append(
-        f"{_remote_source(result)} from moto's S3 server behind a proxy adding the latency to every request with {plan['bandwidth_mb_s']:.0f} MB/s shared, through a cache "
+        f"{_remote_source(result)} from moto's S3 server adding the latency to every request with {plan['bandwidth_mb_s']:.0f} MB/s shared, through a cache "
         f"of {plan['shards_per_worker']} shards per worker ({result['cache_bytes']['small'] / 1e6:.1f} MB), so every "
         "epoch fetches the dataset again, or one that holds all of it, so every epoch after the first reads staged "
         f"copies. {plan['epochs']} epochs per pass from one loader (its workers carry on across "
         "epoch ends, as in training), timed from the end of the first epoch to the end of the last; "
         f"{plan['reps']} rounds, each remote pass between two local ones. *of local*: against the mean of those "
         "two; *wait s*: what the workers spent opening shards in the timed epochs, summed; *bytes/epoch*: what "
-        "the proxy sent per timed epoch; *store CPU s*: the CPU time of the store's process (moto's server and the "
-        "proxy, on the same cores) per timed epoch. Median [min-max]."
+        "the store sent per timed epoch; *store CPU s*: the CPU time of the store's process (moto's server, on the "
+        "same cores) per timed epoch. Median [min-max]."
     )
     md.append("")
     rows = []
@@ -691,9 +691,9 @@ def render_peers(result: dict) -> str:
         "workers: `SampleProcessor.process`), each peer after its own preparation step, batches of 32 samples "
         f"collated in the workers; {result['plan']['reps']} rounds, as for ours (medians; *of local*: against "
         "that loader's local rate, interpolated alike). megatron-energon reads S3 through multi-storage-client (its "
-        "cache on for cold and warm), LitData through its own chunk cache. *bytes/epoch*: what the proxy sent in "
+        "cache on for cold and warm), LitData through its own chunk cache. *bytes/epoch*: what the store sent in "
         "the cold epoch, against that loader's own dataset size; *store CPU*: the store process's CPU seconds in "
-        "the cold epoch (server and proxy: what this loader's requests cost them). *ours / peer*: our pass over "
+        "the cold epoch (what this loader's requests cost it). *ours / peer*: our pass over "
         "the peer's pass of the same row and round, seconds apart (median [min-max] over the rounds)."
     )
     md.append("")

@@ -1,5 +1,5 @@
 """The ``stream`` section: the DataModule reading from S3 as a training run does. The store is the remote
-section's (``remote.store``: moto's S3 server on loopback behind a proxy per latency, in a process of its own). Two
+section's (``remote.store``: moto's S3 server on loopback, a slow port per latency, in a process of its own). Two
 caches: one of ``shards_per_worker`` shards per DataLoader worker, a node whose cache holds a fraction of the data,
 so every epoch fetches the dataset again (cold, and evicting as it goes); and one that holds the dataset, so every
 epoch after the first reads staged copies (warm). One loader per pass serves several epochs, its workers carrying
@@ -41,7 +41,7 @@ def stream_pass(
     cfg: Any, tokenizer: Any, epochs: int, store_stats: Callable[[], tuple[int, float]] | None = None
 ) -> dict[str, Any]:
     """``epochs`` epochs out of one fresh DataModule's loader, timed from the rank's last batch of the first epoch
-    to its last batch of the last (``epoch_end`` in the batch's meta); ``store_stats``: the bytes the store's proxy
+    to its last batch of the last (``epoch_end`` in the batch's meta); ``store_stats``: the bytes the store's slow port
     has sent so far and the store process's CPU seconds."""
     from nanovlm.data.datamodule import PackedMultimodalDataModule
 
@@ -71,7 +71,7 @@ def stream_pass(
 
 
 def _sent_and_cpu(s3: Any, ms: int) -> tuple[int, float]:
-    """(bytes the proxy of ``ms`` has sent, the store process's CPU seconds) so far."""
+    """(bytes the slow port of ``ms`` has sent, the store process's CPU seconds) so far."""
     sent, cpu = s3.stats()
     return sent[ms], cpu
 
@@ -94,7 +94,7 @@ def measure(args: argparse.Namespace, log=print) -> dict[str, Any]:
         for i in range(plan.reps):
             local.append(stream_pass(cfg, tokenizer, plan.epochs))
             for which, ms in remote:
-                fsspec.config.conf["s3"] = {"endpoint_url": s3.urls[ms]}  # a new client (cache key) per proxy
+                fsspec.config.conf["s3"] = {"endpoint_url": s3.urls[ms]}  # a new client (cache key) per latency
                 shutil.rmtree(cache, ignore_errors=True)
                 remote_cfg = data_config(args, plan.workers)
                 remote_cfg.data.train = ["s3://bench/ds"]  # the endpoint: fsspec's s3 config, set just above
