@@ -27,6 +27,16 @@ class FaultPlan:
         self._rng = random.Random(seed)
         self._lock = threading.Lock()
         self.done: Counter = Counter()
+        self.in_flight = self.most_in_flight = 0  # requests being answered now, and at most at once
+
+    def enter(self) -> None:
+        with self._lock:
+            self.in_flight += 1
+            self.most_in_flight = max(self.most_in_flight, self.in_flight)
+
+    def leave(self) -> None:
+        with self._lock:
+            self.in_flight -= 1
 
     def draw(self) -> str | None:
         with self._lock:
@@ -85,6 +95,13 @@ def _handler(root: Path | None, faults: FaultPlan, log: list[str], upstream: tup
 
         def _serve(self) -> None:
             log.append(f"{self.command} {self.path} {self.headers.get('Range', '')}")
+            faults.enter()
+            try:
+                self._answer()
+            finally:
+                faults.leave()
+
+        def _answer(self) -> None:
             fault = faults.draw()
             if faults.refuse_presigned and "Signature=" in self.path:
                 fault = "403"

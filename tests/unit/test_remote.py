@@ -694,6 +694,17 @@ def test_the_index_is_fetched_checked_and_reused(data, tmp_path):
             fetch_index(f"{url}/missing", tmp_path / "cache2", FAST)
 
 
+def test_the_index_columns_are_fetched_at_once(data, tmp_path):
+    """Every column's request is in flight together (each answer held back 0.2 s): a remote index costs one
+    round trip, not one per column."""
+    from nanovlm.data.index import COLUMNS
+
+    with http_server(data, FaultPlan(rate=1.0, kinds=("delay",), delay_s=0.2)) as (url, faults, log):
+        root = fetch_index(f"{url}/a", tmp_path / "cache")
+    assert load_index(root, check_files=False).content_hash == load_index(data / "a").content_hash
+    assert sum(".npy" in line for line in log) == len(COLUMNS) and faults.most_in_flight == len(COLUMNS)
+
+
 def _pools_after_fork(out) -> None:
     from nanovlm.data import presigned
 
