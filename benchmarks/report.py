@@ -636,7 +636,9 @@ def render_stream(result: dict) -> str:
         f"{plan['reps']} rounds, each remote pass between two local ones. *of local*: against the mean of those "
         "two; *wait s*: what the workers spent opening shards in the timed epochs, summed; *bytes/epoch*: what "
         "the store sent per timed epoch; *store CPU s*: the CPU time of the store's process (moto's server, on the "
-        "same cores) per timed epoch. Median [min-max]."
+        "same cores) per timed epoch. *control*: the small cache with every shard staged by a copy from local disk "
+        "instead of a fetch (the index still from S3): the cache's own work, without the transfer and the store. "
+        "Median [min-max]."
     )
     md.append("")
     rows = []

@@ -2,7 +2,9 @@
 section's (``remote.store``: moto's S3 server on loopback, a slow port per latency, in a process of its own). Two
 caches: one of ``shards_per_worker`` shards per DataLoader worker, a node whose cache holds a fraction of the data,
 so every epoch fetches the dataset again (cold, and evicting as it goes); and one that holds the dataset, so every
-epoch after the first reads staged copies (warm). One loader per pass serves several epochs, its workers carrying
+epoch after the first reads staged copies (warm). A control runs through the small cache with every shard staged
+by a copy from local disk instead of a fetch (``staged_from``): all the cache's own work (the write, the CRC check,
+eviction, locks, prefetch) without the transfer and the store. One loader per pass serves several epochs, its workers carrying
 on across epoch ends as the train stream's do, and the pass is timed over the epochs after the first: what a run
 pays once (worker start, client set-up, its first shards' fetch) is left out of the remote and the local pass
 alike, and every byte of the timed epochs is fetched inside them. Each remote pass lies between two local passes,
@@ -11,9 +13,10 @@ and is compared with their mean: this machine's speed drifts over minutes."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,6 +24,8 @@ from typing import Any
 from benchmarks.common import Stats
 from benchmarks.remote import RemotePlan, local_source, store
 from benchmarks.workloads import data_config
+
+COPIED = "small, copied"  # the control's cache: the small one, its shards staged by ``staged_from``
 
 
 @dataclass
@@ -70,10 +75,37 @@ def stream_pass(
     }
 
 
+@contextlib.contextmanager
+def staged_from(source: Path) -> Iterator[None]:
+    """Remote shards staged by copying the same file from ``source`` (the dataset on local disk) instead of
+    fetching it, in this process and the DataLoader workers it forks; the index is still fetched."""
+    from nanovlm.data import remote
+
+    fetch = remote._copy
+
+    def copy(fs: Any, path: str, dest: Path) -> int:
+        if "/index/" in path:
+            return fetch(fs, path, dest)
+        shutil.copyfile(source / path.rsplit("/", 1)[-1], dest)
+        return dest.stat().st_size
+
+    remote._copy = copy
+    try:
+        yield
+    finally:
+        remote._copy = fetch
+
+
 def _sent_and_cpu(s3: Any, ms: int) -> tuple[int, float]:
     """(bytes the slow port of ``ms`` has sent, the store process's CPU seconds) so far."""
     sent, cpu = s3.stats()
     return sent[ms], cpu
+
+
+def _row_name(cache: str, ms: int, shards_per_worker: int) -> str:
+    if cache == COPIED:
+        return f"control: cache holds {shards_per_worker} shards/worker, staged by a local copy"
+    return f"S3 +{ms} ms, cache holds " + (f"{shards_per_worker} shards/worker" if cache == "small" else "all")
 
 
 def measure(args: argparse.Namespace, log=print) -> dict[str, Any]:
@@ -86,10 +118,12 @@ def measure(args: argparse.Namespace, log=print) -> dict[str, Any]:
     cfg, source, index, tokenizer = local_source(args, plan.workers)
     dataset_bytes = sum(s.size_bytes for s in index.shards)
     small = plan.shards_per_worker * plan.workers * max(s.size_bytes for s in index.shards)
-    caches = {"small": small, "whole": max(2 * dataset_bytes, cfg.data.cache_max_bytes)}
+    caches = {"small": small, "whole": max(2 * dataset_bytes, cfg.data.cache_max_bytes), COPIED: small}
     cache = Path(args.workdir) / "stream_cache"
     local: list[dict[str, Any]] = []
-    remote: dict[tuple[str, int], list[dict[str, Any]]] = {(c, ms): [] for c in caches for ms in plan.latencies_ms}
+    remote: dict[tuple[str, int], list[dict[str, Any]]] = {
+        (c, ms): [] for c in caches for ms in (plan.latencies_ms if c != COPIED else plan.latencies_ms[:1])
+    }
     with store({"bench": source}, {}, plan.latencies_ms, plan.bandwidth_mb_s) as s3:
         for i in range(plan.reps):
             local.append(stream_pass(cfg, tokenizer, plan.epochs))
@@ -99,7 +133,8 @@ def measure(args: argparse.Namespace, log=print) -> dict[str, Any]:
                 remote_cfg = data_config(args, plan.workers)
                 remote_cfg.data.train = ["s3://bench/ds"]  # the endpoint: fsspec's s3 config, set just above
                 remote_cfg.data.cache_dir, remote_cfg.data.cache_max_bytes = str(cache), caches[which]
-                r = stream_pass(remote_cfg, tokenizer, plan.epochs, lambda ms=ms: _sent_and_cpu(s3, ms))
+                with staged_from(source) if which == COPIED else contextlib.nullcontext():
+                    r = stream_pass(remote_cfg, tokenizer, plan.epochs, lambda ms=ms: _sent_and_cpu(s3, ms))
                 local.append(stream_pass(cfg, tokenizer, plan.epochs))
                 remote[which, ms].append(r | {"local": (local[-2]["samples_per_s"] + local[-1]["samples_per_s"]) / 2})
             log(f"[stream] round {i + 1}/{plan.reps}: local {local[-1]['samples_per_s']:.0f} samples/s")
@@ -107,8 +142,7 @@ def measure(args: argparse.Namespace, log=print) -> dict[str, Any]:
     shutil.rmtree(cache, ignore_errors=True)
     rows = [
         {
-            "name": f"S3 +{ms} ms, cache holds "
-            + (f"{plan.shards_per_worker} shards/worker" if c == "small" else "all"),
+            "name": _row_name(c, ms, plan.shards_per_worker),
             "latency_ms": ms,
             "cache": c,
             "samples_per_s": Stats.of([r["samples_per_s"] for r in runs]).to_dict(),

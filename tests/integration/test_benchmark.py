@@ -299,12 +299,14 @@ def test_stream_section_fetches_what_a_small_cache_let_go_without_thrashing(tmp_
     """Three epochs from one loader behind 20 ms, through a cache of 2 shards per worker (4 of the 6 shards) and one
     that holds the dataset: the timed epochs (the second and third; prefetch runs into each next epoch, and on
     epochs this short the workers run a whole epoch ahead) fetch again the shards the small cache let go, without
-    thrashing, and nothing through the large one; their rate is set against local disk's."""
+    thrashing, and nothing through the large one; the control stages every shard by a local copy, fetching none;
+    each rate is set against local disk's."""
     doc = _quick_s3_section("stream", tmp_path, make_dataset, tiny_tokenizer)
     assert doc["cache_bytes"]["small"] < doc["dataset_bytes"] < doc["cache_bytes"]["whole"]
-    small, whole, local = doc["rows"]
-    assert [r["latency_ms"] for r in doc["rows"]] == [20, 20, None] and local["samples_per_s"]["n"] == 3
-    for r in (small, whole):
+    small, whole, copied, local = doc["rows"]
+    assert [r["latency_ms"] for r in doc["rows"]] == [20, 20, 20, None] and local["samples_per_s"]["n"] == 4
+    assert copied["name"].startswith("control") and copied["bytes_per_epoch"]["max"] == 0  # copies, no fetch
+    for r in (small, whole, copied):
         assert r["samples_per_s"]["median"] > 0 and r["of_local"]["median"] > 0 and r["wait_s"]["min"] >= 0
     # a shard or two of the 6 fetched twice over the two epochs is the plan's (docs/remote.md); workers evicting
     # each other's prefetched shards fetched 1.9 x per epoch
