@@ -62,8 +62,10 @@ class RateLimit:
 class SlowStore:
     """moto's WSGI app with a fixed latency before every answer and a bandwidth cap on the bodies, both kept in
     the server's own request threads: the store stands for a far one, whose CPU is not the loaders'. A proxy in
-    front of the server (a second HTTP hop, every body read and written again) would cost the store's process
-    more CPU than moto itself, on the cores the loaders run on. Counts the body bytes it sends."""
+    front of the server (a second HTTP hop, every body read and written again) would add to the store's CPU, on
+    the cores the loaders run on. Counts the body bytes it hands the server.
+    werkzeug's server closes the connection after every answer, so each request opens one (on loopback: no
+    latency, a little CPU on both sides), where S3 would keep it open."""
 
     def __init__(self, app: Callable, latency_ms: float, bandwidth_mb_s: float) -> None:
         self.app, self.latency_s, self.limit = app, latency_ms / 1000, RateLimit(bandwidth_mb_s * 1e6)
@@ -80,52 +82,62 @@ class SlowStore:
                 for i in range(0, len(part), CHUNK):
                     chunk = part[i : i + CHUNK]
                     self.limit.take(len(chunk))
-                    yield chunk
-                    with self.lock:
+                    with self.lock:  # counted before it is sent: a client may have it all before the next line
                         self.bytes_out += len(chunk)
+                    yield chunk
         finally:
             if hasattr(body, "close"):
                 body.close()
 
 
 @contextlib.contextmanager
-def s3_servers(sources: dict[str, Path], extra: dict[str, Path], latencies: tuple[int, ...], bandwidth_mb_s: float):
+def s3_servers(
+    sources: dict[str, Path], extra: dict[str, Path], latencies: tuple[int, ...], bandwidth_mb_s: float
+) -> Iterator[tuple[tuple[str, int], dict[int, tuple[str, SlowStore]]]]:
     """moto's S3 server on 127.0.0.1 with each ``sources`` directory uploaded to s3://BUCKET/ds and each ``extra``
     file to its BUCKET/KEY, answering on one port as is and on one more per latency as a ``SlowStore``; yields
     ((host, port) of the plain one, {latency: (its URL, its SlowStore)})."""
     import logging
 
     from moto.moto_server.werkzeug_app import DomainDispatcherApplication, create_backend_app
-    from werkzeug.serving import make_server
 
     logging.getLogger("werkzeug").setLevel(logging.ERROR)  # its server logs every request otherwise
-    app = DomainDispatcherApplication(create_backend_app)  # one app, one set of buckets, for every port
+    app = DomainDispatcherApplication(create_backend_app)  # every port serves the same app
     slow = {ms: SlowStore(app, ms, bandwidth_mb_s) for ms in latencies}
-    servers = [make_server("127.0.0.1", 0, app, threaded=True)]
-    servers += [make_server("127.0.0.1", 0, s, threaded=True) for s in slow.values()]
-    for server in servers:
-        server.daemon_threads = True
-        threading.Thread(target=server.serve_forever, daemon=True).start()
-    host, port = servers[0].server_address[:2]
-    try:
+    with contextlib.ExitStack() as stack:
+        host, port = _serving(stack, app)
+        urls = {ms: "http://{}:{}".format(*_serving(stack, s)) for ms, s in slow.items()}
         with aws_env(f"http://{host}:{port}"):
-            import fsspec
-
-            fs = fsspec.filesystem("s3", skip_instance_cache=True)
-            for bucket, local_dir in sources.items():
-                if not fs.exists(bucket):
-                    fs.mkdir(bucket)
-                for p in sorted(local_dir.rglob("*")):
-                    if p.is_file():
-                        fs.put_file(str(p), f"{bucket}/ds/{p.relative_to(local_dir).as_posix()}")
-            for key, p in (extra or {}).items():
-                fs.put_file(str(p), key)
-        urls = {ms: f"http://127.0.0.1:{server.server_address[1]}" for ms, server in zip(slow, servers[1:])}
+            _upload(sources, extra)
         yield (host, port), {ms: (urls[ms], slow[ms]) for ms in slow}
-    finally:
-        for server in servers:
-            server.shutdown()
-            server.server_close()
+
+
+def _serving(stack: contextlib.ExitStack, app: Callable) -> tuple[str, int]:
+    """``app`` served by a threaded werkzeug server on a free port of 127.0.0.1 until ``stack`` closes."""
+    from werkzeug.serving import make_server
+
+    server = make_server("127.0.0.1", 0, app, threaded=True)
+    stack.callback(server.server_close)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    stack.callback(server.shutdown)  # (callbacks run last first: shut down, then closed)
+    host, port = server.server_address[:2]
+    return str(host), port
+
+
+def _upload(sources: dict[str, Path], extra: dict[str, Path]) -> None:
+    """Each ``sources`` directory to s3://BUCKET/ds, each ``extra`` file to its BUCKET/KEY, through the endpoint
+    in this process's environment."""
+    import fsspec
+
+    fs = fsspec.filesystem("s3", skip_instance_cache=True)
+    for bucket, local_dir in sources.items():
+        if not fs.exists(bucket):
+            fs.mkdir(bucket)
+        for p in sorted(local_dir.rglob("*")):
+            if p.is_file():
+                fs.put_file(str(p), f"{bucket}/ds/{p.relative_to(local_dir).as_posix()}")
+    for key, p in extra.items():
+        fs.put_file(str(p), key)
 
 
 @contextlib.contextmanager

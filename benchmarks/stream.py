@@ -3,12 +3,12 @@ section's (``remote.store``: moto's S3 server on loopback, a slow port per laten
 caches: one of ``shards_per_worker`` shards per DataLoader worker, a node whose cache holds a fraction of the data,
 so every epoch fetches the dataset again (cold, and evicting as it goes); and one that holds the dataset, so every
 epoch after the first reads staged copies (warm). A control runs through the small cache with every shard staged
-by a copy from local disk instead of a fetch (``staged_from``): all the cache's own work (the write, the CRC check,
-eviction, locks, prefetch) without the transfer and the store. One loader per pass serves several epochs, its workers carrying
-on across epoch ends as the train stream's do, and the pass is timed over the epochs after the first: what a run
-pays once (worker start, client set-up, its first shards' fetch) is left out of the remote and the local pass
-alike, and every byte of the timed epochs is fetched inside them. Each remote pass lies between two local passes,
-and is compared with their mean: this machine's speed drifts over minutes."""
+by a copy from local disk instead of a fetch (``staged_from``): all the cache's own work (the write, the CRC
+check, eviction, locks, prefetch) without the transfer and the store. One loader per pass serves several epochs,
+its workers carrying on across epoch ends as the train stream's do, and the pass is timed over the epochs after
+the first: what a run pays once (worker start, client set-up, its first shards' fetch) is left out of the remote
+and the local pass alike, and every byte of the timed epochs is fetched inside them. Each remote pass lies between
+two local passes, and is compared with their mean: this machine's speed drifts over minutes."""
 
 from __future__ import annotations
 
@@ -78,13 +78,14 @@ def stream_pass(
 @contextlib.contextmanager
 def staged_from(source: Path) -> Iterator[None]:
     """Remote shards staged by copying the same file from ``source`` (the dataset on local disk) instead of
-    fetching it, in this process and the DataLoader workers it forks; the index is still fetched."""
+    fetching it, in this process and the DataLoader workers it forks (``measure`` checks that the store sent
+    nothing in the timed epochs: workers started another way would fetch); the index is still fetched."""
     from nanovlm.data import remote
 
     fetch = remote._copy
 
     def copy(fs: Any, path: str, dest: Path) -> int:
-        if "/index/" in path:
+        if Path(path).parent.name == "index":
             return fetch(fs, path, dest)
         shutil.copyfile(source / path.rsplit("/", 1)[-1], dest)
         return dest.stat().st_size
@@ -135,6 +136,8 @@ def measure(args: argparse.Namespace, log=print) -> dict[str, Any]:
                 remote_cfg.data.cache_dir, remote_cfg.data.cache_max_bytes = str(cache), caches[which]
                 with staged_from(source) if which == COPIED else contextlib.nullcontext():
                     r = stream_pass(remote_cfg, tokenizer, plan.epochs, lambda ms=ms: _sent_and_cpu(s3, ms))
+                if which == COPIED and r["sent_per_epoch"]:
+                    raise RuntimeError("the control fetched shards: its DataLoader workers were not forked")
                 local.append(stream_pass(cfg, tokenizer, plan.epochs))
                 remote[which, ms].append(r | {"local": (local[-2]["samples_per_s"] + local[-1]["samples_per_s"]) / 2})
             log(f"[stream] round {i + 1}/{plan.reps}: local {local[-1]['samples_per_s']:.0f} samples/s")

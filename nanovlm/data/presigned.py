@@ -29,6 +29,7 @@ log = logging.getLogger(__name__)
 EXPIRES_S = 900  # a URL is presigned right before its GET: it only has to outlive one transfer
 CHUNK = 1 << 20
 RETRY_STATUSES = frozenset({429, 500, 502, 503, 504})
+CONNECTIONS = 8  # per host, kept open by a process's pool: as many GETs as it runs at once (the index's columns)
 _POOLS: dict[tuple, Any] = {}  # (proxy, verify) -> urllib3 pool manager of this process
 GONE_CODES = frozenset({"NoSuchKey", "NoSuchBucket", "AccessDenied"})  # S3 error codes about the object, not the URL
 _LOADERS: dict[str, Any] = {}  # session options -> botocore's data loader, S3's client data in it (kept over forks)
@@ -193,7 +194,7 @@ def _pool(url: str, verify: bool | str | None) -> Any:
     if pool is None:
         tls: dict[str, Any] = {"cert_reqs": "CERT_NONE"} if verify is False else {"ca_certs": verify or _ca_bundle()}
         timeout = urllib3.Timeout(connect=60, read=60)  # botocore's defaults: a stalled transfer fails, never hangs
-        options = {"maxsize": 8, "timeout": timeout, **tls}
+        options = {"maxsize": CONNECTIONS, "timeout": timeout, **tls}
         pool = (
             urllib3.ProxyManager(proxy, proxy_headers=_proxy_headers(proxy), **options)
             if proxy

@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any, BinaryIO, TypeVar
 
 from nanovlm.data.index import crc32_file
-from nanovlm.data.presigned import get_presigned, presignable, warm
+from nanovlm.data.presigned import CONNECTIONS, get_presigned, presignable, warm
 from nanovlm.dist import file_lock
 
 log = logging.getLogger(__name__)
@@ -243,9 +243,11 @@ def fetch_index(url: str, cache_dir: str | os.PathLike | None = None, policy: Re
             shutil.rmtree(stale, ignore_errors=True)
         (tmp / INDEX_DIR).mkdir(parents=True)
         try:
-            with ThreadPoolExecutor(max_workers=len(COLUMNS), thread_name_prefix="index-fetch") as pool:
+            # the pool's exit waits for every fetch, so none writes into tmp after it is removed below; map
+            # raises the error of the first column (in COLUMNS' order) that failed
+            with ThreadPoolExecutor(min(len(COLUMNS), CONNECTIONS), thread_name_prefix="index-fetch") as pool:
                 names = (f"{INDEX_DIR}/{c}.npy" for c in COLUMNS)  # our column names, never names read remotely
-                list(pool.map(lambda n: download(join(url, n), tmp / n, policy), names))  # raises the first error
+                list(pool.map(lambda n: download(join(url, n), tmp / n, policy), names))
             (tmp / INDEX_DIR / META_FILE).write_bytes(meta)
             load_index(tmp, check_files=False, verify=True)
         except (DatasetIndexError, RemoteError) as e:

@@ -30,11 +30,13 @@ class FaultPlan:
         self.in_flight = self.most_in_flight = 0  # requests being answered now, and at most at once
 
     def enter(self) -> None:
+        """A request is being answered (until ``leave``)."""
         with self._lock:
             self.in_flight += 1
             self.most_in_flight = max(self.most_in_flight, self.in_flight)
 
     def leave(self) -> None:
+        """A request's answer is done."""
         with self._lock:
             self.in_flight -= 1
 

@@ -315,6 +315,33 @@ def test_stream_section_fetches_what_a_small_cache_let_go_without_thrashing(tmp_
     assert 0 <= whole["store_cpu_s"]["median"] < small["store_cpu_s"]["median"]
 
 
+def test_the_slow_store_adds_its_latency_and_caps_its_bandwidth(tmp_path):
+    """Each slow port answers after its latency, sends no faster than the cap, and counts the body bytes it sent;
+    the plain port serves the same bucket and counts nothing."""
+    pytest.importorskip("moto")
+    fsspec = pytest.importorskip("fsspec")
+    pytest.importorskip("s3fs")
+    from benchmarks.remote import aws_env, s3_servers
+
+    (tmp_path / "src").mkdir()
+    data = os.urandom(1_000_000)
+    (tmp_path / "src" / "blob.bin").write_bytes(data)
+    with s3_servers({"blobs": tmp_path / "src"}, {}, (0, 200), 10.0) as ((host, port), slow):
+        ports = {None: f"http://{host}:{port}"} | {ms: url for ms, (url, _) in slow.items()}
+        with aws_env(ports[None]):
+            for ms, url in ports.items():
+                fs = fsspec.filesystem("s3", endpoint_url=url, skip_instance_cache=True)
+                for _ in range(2):  # the second GET without the client's set-up
+                    t0 = time.monotonic()
+                    assert fs.cat_file("blobs/ds/blob.bin") == data
+                    took = time.monotonic() - t0
+                if ms is None:
+                    assert [s.bytes_out for _, s in slow.values()] == [0, 0]
+                    continue
+                assert took >= ms / 1000 + 0.07  # 1 MB at 10 MB/s: 0.1 s (less a margin)
+                assert slow[ms][1].bytes_out == 2 * len(data)
+
+
 def test_a_store_that_fails_is_an_error_at_once(tmp_path):
     """The benchmark's store (the S3 server in a child process) that dies while starting, or later, is a
     named error within seconds, never a wait on its pipe."""
@@ -506,30 +533,3 @@ def test_gpu_check_dry_run_records_every_part(tmp_path, make_dataset, tiny_token
     assert "| dry_step | packed/static compiled step |" in table and "| decode | JPEG, device |" in table
     for name in ("env.json", "gpu_check.log", "train_dry_eager.json", "train_dry_step.md", "pytest_gpu.xml"):
         assert (out / name).stat().st_size > 0, name
-
-
-def test_the_slow_store_adds_its_latency_and_caps_its_bandwidth(tmp_path):
-    """Each slow port answers after its latency, sends no faster than the cap, and counts the body bytes it sent;
-    the plain port serves the same bucket without either."""
-    pytest.importorskip("moto")
-    fsspec = pytest.importorskip("fsspec")
-    pytest.importorskip("s3fs")
-    from benchmarks.remote import aws_env, s3_servers
-
-    (tmp_path / "src").mkdir()
-    data = os.urandom(1_000_000)
-    (tmp_path / "src" / "blob.bin").write_bytes(data)
-    with s3_servers({"blobs": tmp_path / "src"}, {}, (0, 200), 10.0) as ((host, port), slow):
-        ports = {None: f"http://{host}:{port}"} | {ms: url for ms, (url, _) in slow.items()}
-        with aws_env(ports[None]):
-            for ms, url in ports.items():
-                fs = fsspec.filesystem("s3", endpoint_url=url, skip_instance_cache=True)
-                for _ in range(2):  # the second GET without the client's set-up
-                    t0 = time.monotonic()
-                    assert fs.cat_file("blobs/ds/blob.bin") == data
-                    took = time.monotonic() - t0
-                if ms is None:
-                    assert [s.bytes_out for _, s in slow.values()] == [0, 0]
-                    continue
-                assert took >= ms / 1000 + 0.07  # 1 MB at 10 MB/s: 0.1 s less the first chunk's head start
-                assert slow[ms][1].bytes_out == 2 * len(data)

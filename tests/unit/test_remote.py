@@ -695,14 +695,16 @@ def test_the_index_is_fetched_checked_and_reused(data, tmp_path):
 
 
 def test_the_index_columns_are_fetched_at_once(data, tmp_path):
-    """Every column's request is in flight together (each answer held back 0.2 s): a remote index costs one
-    round trip, not one per column."""
+    """The columns' requests are in flight together, as many as a process keeps connections to a host (each
+    answer held back 0.5 s): a remote index costs a round trip or two, not one per column."""
     from nanovlm.data.index import COLUMNS
+    from nanovlm.data.presigned import CONNECTIONS
 
-    with http_server(data, FaultPlan(rate=1.0, kinds=("delay",), delay_s=0.2)) as (url, faults, log):
+    with http_server(data, FaultPlan(rate=1.0, kinds=("delay",), delay_s=0.5)) as (url, faults, log):
         root = fetch_index(f"{url}/a", tmp_path / "cache")
     assert load_index(root, check_files=False).content_hash == load_index(data / "a").content_hash
-    assert sum(".npy" in line for line in log) == len(COLUMNS) and faults.most_in_flight == len(COLUMNS)
+    assert sum(".npy" in line for line in log) == len(COLUMNS)
+    assert faults.most_in_flight == min(len(COLUMNS), CONNECTIONS) > 1
 
 
 def _pools_after_fork(out) -> None:
