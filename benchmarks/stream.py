@@ -119,12 +119,11 @@ def measure(args: argparse.Namespace, log=print) -> dict[str, Any]:
     cfg, source, index, tokenizer = local_source(args, plan.workers)
     dataset_bytes = sum(s.size_bytes for s in index.shards)
     small = plan.shards_per_worker * plan.workers * max(s.size_bytes for s in index.shards)
-    caches = {"small": small, "whole": max(2 * dataset_bytes, cfg.data.cache_max_bytes), COPIED: small}
+    caches = {"small": small, "whole": max(2 * dataset_bytes, cfg.data.cache_max_bytes)}
     cache = Path(args.workdir) / "stream_cache"
     local: list[dict[str, Any]] = []
-    remote: dict[tuple[str, int], list[dict[str, Any]]] = {
-        (c, ms): [] for c in caches for ms in (plan.latencies_ms if c != COPIED else plan.latencies_ms[:1])
-    }
+    remote: dict[tuple[str, int], list[dict[str, Any]]] = {(c, ms): [] for c in caches for ms in plan.latencies_ms}
+    remote[COPIED, plan.latencies_ms[0]] = []  # the control, through the small cache
     with store({"bench": source}, {}, plan.latencies_ms, plan.bandwidth_mb_s) as s3:
         for i in range(plan.reps):
             local.append(stream_pass(cfg, tokenizer, plan.epochs))
@@ -133,7 +132,8 @@ def measure(args: argparse.Namespace, log=print) -> dict[str, Any]:
                 shutil.rmtree(cache, ignore_errors=True)
                 remote_cfg = data_config(args, plan.workers)
                 remote_cfg.data.train = ["s3://bench/ds"]  # the endpoint: fsspec's s3 config, set just above
-                remote_cfg.data.cache_dir, remote_cfg.data.cache_max_bytes = str(cache), caches[which]
+                remote_cfg.data.cache_dir = str(cache)
+                remote_cfg.data.cache_max_bytes = caches["small" if which == COPIED else which]
                 with staged_from(source) if which == COPIED else contextlib.nullcontext():
                     r = stream_pass(remote_cfg, tokenizer, plan.epochs, lambda ms=ms: _sent_and_cpu(s3, ms))
                 if which == COPIED and r["sent_per_epoch"]:
