@@ -80,21 +80,19 @@ def staged_from(source: Path) -> Iterator[None]:
     """Remote shards staged by copying the same file from ``source`` (the dataset on local disk) instead of
     fetching it, in this process and the DataLoader workers it forks (``measure`` checks that the store sent
     nothing in the timed epochs: workers started another way would fetch); the index is still fetched."""
-    from nanovlm.data import remote
+    from nanovlm.data import shard_cache
 
-    fetch = remote._copy
+    fetch = shard_cache.copy_object
 
     def copy(fs: Any, path: str, dest: Path) -> int:
-        if Path(path).parent.name == "index":
-            return fetch(fs, path, dest)
         shutil.copyfile(source / path.rsplit("/", 1)[-1], dest)
         return dest.stat().st_size
 
-    remote._copy = copy
+    shard_cache.copy_object = copy
     try:
         yield
     finally:
-        remote._copy = fetch
+        shard_cache.copy_object = fetch
 
 
 def _sent_and_cpu(s3: Any, ms: int) -> tuple[int, float]:

@@ -4,6 +4,7 @@
 * ``make_dataset``: small synthetic multimodal datasets written through ``nanovlm.data.prepare.write_dataset``,
   exactly as prepare_data writes them;
 * ``dataset``: one such dataset (3 shards) in a fresh directory, for tests that break it;
+* ``served``: a directory whose dataset ``a`` (60 samples, shards of 16) the remote tests serve from loopback;
 * ``small_demo``: the procedural demo dataset for ``scripts/train.py`` runs (``helpers.runs``).
 """
 
@@ -45,6 +46,15 @@ def dataset(tmp_path, make_dataset):
     path = tmp_path / "ds"
     make_dataset(path, 24, samples_per_shard=8)
     return path
+
+
+@pytest.fixture(scope="session")
+def served(tmp_path_factory, make_dataset) -> Path:
+    from helpers.data import IMAGE_TOKENS
+
+    root = tmp_path_factory.mktemp("served")
+    make_dataset(root / "a", 60, samples_per_shard=16, seed=3, image_token_count=IMAGE_TOKENS)
+    return root
 
 
 @pytest.fixture(scope="session")

@@ -31,7 +31,7 @@ class DataCounters:
         self._tel: Counter = Counter()
         self._tel_skips: Counter = Counter()
         self._queue_depth = 0.0
-        self._remote: dict[int, dict[str, int]] = {}  # worker slot -> its remote.ShardCache counters
+        self._remote: dict[int, dict[str, int]] = {}  # worker slot -> its shard_cache.ShardCache counters
 
     def count(self, meta: dict) -> None:
         """Count one trained batch: the skips the planner made (reported with a slot's first pack), the samples

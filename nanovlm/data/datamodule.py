@@ -34,7 +34,8 @@ from nanovlm.data.device_decode import DeviceDecoder, check_decoder
 from nanovlm.data.index import load_index
 from nanovlm.data.loader import make_loader
 from nanovlm.data.processing import SampleProcessor
-from nanovlm.data.remote import default_cache_dir, prefetch_depth, shard_cache
+from nanovlm.data.remote import default_cache_dir
+from nanovlm.data.shard_cache import prefetch_depth, shard_cache
 from nanovlm.data.shards import Carry, EpochPlan, EpochSplit, PackSpec, SampleTable, Topology, pack_all, pack_slot
 from nanovlm.data.state import DataState, DataStateError, Position, check_fingerprint, fingerprint, restore
 from nanovlm.data.stream import DataMismatchError, PackStream, StreamSpec
@@ -96,7 +97,7 @@ class PackedMultimodalDataModule(L.LightningDataModule):
         self.rank, self.world_size = 0, 1
         self.table: SampleTable | None = None
         self.val_table: SampleTable | None = None
-        self.shard_cache = None  # remote.ShardCache when a dataset is a URL
+        self.shard_cache = None  # shard_cache.ShardCache when a dataset is a URL
         self.prefetch_shards = data_cfg.prefetch_shards  # remote shards each worker fetches ahead (set by setup)
         self.static: StaticLayout | None = None  # data.static_shapes: the packs' fixed shapes
         self.position = Position()
@@ -188,7 +189,7 @@ class PackedMultimodalDataModule(L.LightningDataModule):
 
     def _prefetch_depth(self) -> int:
         """``data.prefetch_shards``, or fewer where the node's shard cache cannot hold them for all of its
-        workers (remote.prefetch_depth): every rank of the node runs ``num_workers`` workers on the one cache."""
+        workers (shard_cache.prefetch_depth): every rank of the node runs ``num_workers`` workers on the one cache."""
         if self.shard_cache is None or not self.cfg.prefetch_shards:
             return self.cfg.prefetch_shards
         local = os.environ.get("LOCAL_WORLD_SIZE", "")  # torchrun's; else the Trainer's devices per node

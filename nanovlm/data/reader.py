@@ -178,7 +178,7 @@ def _pread(fd: int, n: int, offset: int) -> bytes:
 
 class ShardReader:
     """Reads samples by (shard path, offset, nbytes), keeping shard files open, the least recently used closed
-    first. A remote shard (a URL) is read from its staged copy in ``cache`` (``remote.ShardCache``), of which at
+    first. A remote shard (a URL) is read from its staged copy in ``cache`` (``shard_cache.ShardCache``), of which at
     most ``max_open_staged`` stay open: a copy the cache evicts keeps its disk space while a reader holds it, so
     the handles bound what readers hold beyond ``data.cache_max_bytes``, and a shard read again after its copy
     was evicted is fetched again instead of read from a deleted file."""

@@ -26,7 +26,7 @@ from nanovlm.data.format import SampleError
 from nanovlm.data.processing import SampleProcessor
 from nanovlm.data.producer import PackProducer, PlannedPack, Skip
 from nanovlm.data.reader import ShardReader
-from nanovlm.data.remote import Prefetcher, ShardCache
+from nanovlm.data.shard_cache import Prefetcher, ShardCache
 from nanovlm.data.shards import (
     Carry,
     EpochSplit,
@@ -77,7 +77,7 @@ class StreamSpec:
     queue_size: int
     read_ahead: int
     static: StaticLayout | None = None  # data.static_shapes: every pack laid out with these fixed shapes
-    cache: ShardCache | None = None  # remote shards: staged here (remote.py)
+    cache: ShardCache | None = None  # remote shards: staged here (shard_cache.py)
     prefetch_shards: int = 2  # remote shards fetched ahead of the one being read; 0 = off
 
     def split(self, pos: Position) -> EpochSplit:

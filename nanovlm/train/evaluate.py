@@ -50,7 +50,7 @@ def iter_answered_records(
     """
     from nanovlm.data.index import load_index
     from nanovlm.data.reader import ShardReader
-    from nanovlm.data.remote import shard_cache
+    from nanovlm.data.shard_cache import shard_cache
 
     indexes = [load_index(d, cache_dir=cache_dir) for d in directories]
     reader = ShardReader(cache=shard_cache(indexes, cache_dir, cache_max_bytes))
