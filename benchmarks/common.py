@@ -180,3 +180,18 @@ def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str
 
 def pct(x: float, digits: int = 1) -> str:
     return f"{100.0 * x:.{digits}f}%"
+
+
+def epoch_times(t_start: float, t_first: float, t_end: float, first: int, samples: int) -> dict[str, Any]:
+    """The rates of one epoch of ``samples`` (``first`` of them in its first batch), every loader alike.
+
+    *samples_per_s* spans the whole epoch, from the iterator's start: a loader may fetch far ahead before its first
+    batch (LitData's pre-download grows to every chunk of a small dataset), and a rate after the first batch would
+    leave that transfer out. *steady_samples_per_s* is the rate after the first batch."""
+    return {
+        "samples": samples,
+        "seconds": t_end - t_start,
+        "first_batch_s": t_first - t_start,
+        "samples_per_s": samples / (t_end - t_start),
+        "steady_samples_per_s": (samples - first) / (t_end - t_first),
+    }

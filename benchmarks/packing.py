@@ -30,7 +30,6 @@ from benchmarks import distributions as dist
 from benchmarks.baselines import StepPlan, balanced_greedy_knapsack, flattening_steps
 from benchmarks.common import Stats
 from benchmarks.distributions import LengthSet
-from benchmarks.report import packing_target_line
 from nanovlm.data import packing
 
 
@@ -308,6 +307,17 @@ class PackingResult:
             "lookahead_sweep": self.sweep,
             "targets": {"checks": self.checks, "lines": [packing_target_line(c) for c in self.checks]},
         }
+
+
+def packing_target_line(check: dict[str, Any]) -> str:
+    """One token-bound cell's targets in words (also stored in the JSON, under ``targets.lines``)."""
+    return (
+        f"{check['distribution']} L={check['budget_tokens']} img<={check['max_images']}: fill "
+        f"{100 * check['fill']:.2f}% ({'ok' if check['fill_ge_99'] else 'MISSED'} >= 99%), gap to bound "
+        f"{check['gap_to_bound_pp']:.2f} pp ({'ok' if check['gap_le_0_5pp'] else 'MISSED'} <= 0.5), ahead of every "
+        f"other strategy: {'yes' if check['ahead_of_others'] else 'NO'} (best other "
+        f"{100 * check['best_other_fill']:.2f}%)"
+    )
 
 
 def measure(plan: PackingPlan, log=print) -> PackingResult:

@@ -23,6 +23,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from benchmarks.common import epoch_times
+
 PEERS_INSTALL = (
     "pip install megatron-energon==7.4.1 && pip install --no-deps litdata==0.2.76 && pip install obstore tifffile boto3"
 )
@@ -67,10 +69,8 @@ class Work:
 
 
 def _timed(batches, expected: int, on_first: Callable[[], None] | None = None) -> dict[str, Any]:
-    """Drain an epoch of (keys, tensors) batches, timed as ours is (``remote.epoch_times``); every key exactly
+    """Drain an epoch of (keys, tensors) batches, timed as ours is (``common.epoch_times``); every key exactly
     once, and the token ids delivered. ``on_first`` runs when the first batch is in."""
-    from benchmarks.remote import epoch_times
-
     it = iter(batches)
     t_start = time.perf_counter()  # after iter(), as for ours
     keys, tensors = next(it)

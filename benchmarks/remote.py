@@ -25,7 +25,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import Stats
+from benchmarks.common import Stats, epoch_times
 from benchmarks.workloads import data_config, demo_dirs
 
 CHUNK = 1 << 18  # the slow store's write size: the bandwidth cap is kept per chunk
@@ -237,21 +237,6 @@ def epoch_rate(cfg, tokenizer, on_first: Callable[[], None] | None = None) -> di
     del it
     counts = [m["n_samples"] for m in metas]
     return epoch_times(t_start, t_first, t_end, counts[0], sum(counts)) | {"wait_s": _wait_after_first_batch(metas)}
-
-
-def epoch_times(t_start: float, t_first: float, t_end: float, first: int, samples: int) -> dict[str, Any]:
-    """The rates of one epoch of ``samples`` (``first`` of them in its first batch), every loader alike.
-
-    *samples_per_s* spans the whole epoch, from the iterator's start: a loader may fetch far ahead before its first
-    batch (LitData's pre-download grows to every chunk of a small dataset), and a rate after the first batch would
-    leave that transfer out. *steady_samples_per_s* is the rate after the first batch."""
-    return {
-        "samples": samples,
-        "seconds": t_end - t_start,
-        "first_batch_s": t_first - t_start,
-        "samples_per_s": samples / (t_end - t_start),
-        "steady_samples_per_s": (samples - first) / (t_end - t_first),
-    }
 
 
 def _wait_after_first_batch(metas: list[dict]) -> float:

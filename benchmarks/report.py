@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from benchmarks.common import Stats, markdown_table, pct
+from benchmarks.packing import packing_target_line
 
 if TYPE_CHECKING:
     from benchmarks.packing import PackingResult
@@ -68,17 +69,6 @@ def render_packing(result: PackingResult) -> str:
     md += [f"Ours, one factor changed (lookahead), L = {plan.sweep_budget}:", "", sweep_table(result.sweep), ""]
     md += ["Targets:", ""] + [f"- {packing_target_line(c)}" for c in result.checks] + [""]
     return "\n".join(md)
-
-
-def packing_target_line(check: dict[str, Any]) -> str:
-    """One token-bound cell's targets in words (also stored in the JSON, under ``targets.lines``)."""
-    return (
-        f"{check['distribution']} L={check['budget_tokens']} img<={check['max_images']}: fill "
-        f"{100 * check['fill']:.2f}% ({'ok' if check['fill_ge_99'] else 'MISSED'} >= 99%), gap to bound "
-        f"{check['gap_to_bound_pp']:.2f} pp ({'ok' if check['gap_le_0_5pp'] else 'MISSED'} <= 0.5), ahead of every "
-        f"other strategy: {'yes' if check['ahead_of_others'] else 'NO'} (best other "
-        f"{100 * check['best_other_fill']:.2f}%)"
-    )
 
 
 def _cost(row: dict[str, Any]) -> str:

@@ -23,6 +23,8 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
 
+from nanovlm.constants import IMAGE_DECODES, MAX_SHUFFLE_BUFFER
+
 # ----------------------------------------------------------------------------------------------------------
 # model
 
@@ -276,7 +278,6 @@ def _type_name(key: str) -> str:
 def _check_values(cfg: Config) -> None:
     """Semantic checks that types alone cannot express (choices, divisibility)."""
     from nanovlm.data.chat import CHAT_FORMATS  # here: the data package loads transformers
-    from nanovlm.data.processing import IMAGE_DECODES
     from nanovlm.model.attention import BACKENDS
     from nanovlm.model.loss import LOSS_KERNELS
 
@@ -414,8 +415,6 @@ def _check_ranges(cfg: Config) -> None:
         for key, value in values.items():
             if value < low:
                 raise ConfigError(f"bad value for config key '{key}': {value}; it must be >= {low}")
-    from nanovlm.data.shards import MAX_SHUFFLE_BUFFER
-
     if d.shuffle_buffer > MAX_SHUFFLE_BUFFER:
         raise ConfigError(
             f"bad value for config key 'data.shuffle_buffer': {d.shuffle_buffer}; it must be <= {MAX_SHUFFLE_BUFFER}"

@@ -389,7 +389,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise SystemExit("error: --image-check header is for --input DIR (indexing shards in place); JSONL input is "
                          "rewritten into shards, so every image is decoded")  # fmt: skip
     from nanovlm.config import ConfigError, image_token_count, load_config
-    from nanovlm.data.remote import cache_name, default_cache_dir, is_remote, publish, redact
+    from nanovlm.data.prepare import publish
+    from nanovlm.data.remote import cache_name, default_cache_dir, is_remote, redact
     from nanovlm.data.tokenizer import load_tokenizer, tokenizer_fingerprint
 
     try:

@@ -31,7 +31,6 @@ import torch.nn.functional as F
 log = logging.getLogger(__name__)
 
 Deferred = tuple[bytes, int, tuple[int, int, int, int], str]  # (bytes, row, (x, y, w, h) box, sample key)
-DEVICE_MAX_PIXELS = 16_000_000  # larger JPEGs are decoded in the worker (draft scaling) rather than held whole here
 DECODE_CHUNK = 8  # JPEGs per nvJPEG call: bounds the decoded images alive at once (8 x 16 MP x 3 B = 384 MB)
 
 

@@ -13,24 +13,44 @@ block of numpy columns per shard (``shard_block``). Shard ``name`` is a path rel
 dataset directory (``../other/x.tar`` when the shards live elsewhere).
 
 ``scan_tar`` groups a tar's members by sample key and records each sample's byte range, so a reader can seek
-straight to one sample (``reader.ShardReader``) instead of streaming the shard.
+straight to one sample (``reader.ShardReader``) instead of streaming the shard. The index of a dataset at a URL is
+fetched into a local copy first (``fetch_index``) and read from there.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import shutil
 import tarfile
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 from zlib_ng.zlib_ng import crc32 as _crc32
 
+from nanovlm.data.presigned import CONNECTIONS
+from nanovlm.data.remote import (
+    LocalCacheError,
+    RemoteError,
+    RemoteGoneError,
+    RetryPolicy,
+    cache_name,
+    default_cache_dir,
+    download,
+    is_remote,
+    join,
+    read_bytes,
+    redact,
+)
 from nanovlm.data.tiling import ImageLayout, as_layout, per_sample
+from nanovlm.dist import file_lock
+
+log = logging.getLogger(__name__)
 
 INDEX_DIR = "index"
 META_FILE = "meta.json"
@@ -144,8 +164,6 @@ class DatasetIndex:
         """Where a shard is read from: its URL for a remote dataset, else its absolute local path."""
         s = self.shards[shard] if isinstance(shard, int) else shard
         if self.source:
-            from nanovlm.data.remote import join  # imports this module: here, not at the top
-
             return join(self.source, s.name)
         return str((self.root / s.name).resolve())
 
@@ -378,7 +396,7 @@ def load_index(
 ) -> DatasetIndex:
     """Open ``directory/index/``: read ``meta.json``, map every column and check its type and length.
 
-    A URL (``remote.is_remote``) is fetched first into ``cache_dir`` (``remote.fetch_index``: checked column by
+    A URL (``remote.is_remote``) is fetched first into ``cache_dir`` (``fetch_index``: checked column by
     column against its meta.json) and mapped from there; its shards are then read through the shard cache, which
     checks each one's size and CRC when it stages it (``check_files`` does not apply).
 
@@ -387,10 +405,8 @@ def load_index(
     when there is no index (with the command that makes one) and DatasetIndexError naming the file that is
     malformed, truncated or disagrees with the rest.
     """
-    from nanovlm.data import remote  # imports this module: here, not at the top
-
-    if remote.is_remote(directory):
-        idx = load_index(remote.fetch_index(str(directory), cache_dir), check_files=False, verify=verify)
+    if is_remote(directory):
+        idx = load_index(fetch_index(str(directory), cache_dir), check_files=False, verify=verify)
         idx.source = str(directory)
         return idx
     root = Path(directory)
@@ -401,6 +417,52 @@ def load_index(
         if _stamp(meta_path) == before:
             return idx
     raise DatasetIndexError(f"{meta_path} kept changing while it was read: is prepare_data still writing it?")
+
+
+def fetch_index(url: str, cache_dir: str | os.PathLike | None = None, policy: RetryPolicy | None = None) -> Path:
+    """A local copy of a remote dataset's ``index/`` (a directory ``load_index`` maps), fetched when the copy is
+    missing or its meta.json differs from the remote one. A fetched copy replaces the old one only once every
+    column matches its hash in meta.json, so a failed or partial fetch is never used. The columns are fetched
+    at once, one request each: a large index is not held to one connection's bandwidth, nor a small one to a
+    round trip per column."""
+    policy = policy or RetryPolicy()
+    root = Path(cache_dir or default_cache_dir()) / "indexes" / cache_name(url)
+    meta_url = join(url, f"{INDEX_DIR}/{META_FILE}")
+    try:
+        meta = read_bytes(meta_url, policy)
+    except RemoteGoneError as e:  # (a store that keeps failing is a RemoteError of its own)
+        raise FileNotFoundError(
+            f"no index at {redact(url)} ({e}): prepare the dataset with scripts/prepare_data.py and upload the "
+            "directory (its shards and index/)"
+        ) from None
+    local_meta = root / INDEX_DIR / META_FILE
+    with file_lock(root.parent / f"{root.name}.lock"):
+        if local_meta.is_file() and local_meta.read_bytes() == meta:
+            return root
+        tmp, old = (root.parent / f".{root.name}.{os.getpid()}.{what}" for what in ("tmp", "old"))
+        for stale in (tmp, old):
+            shutil.rmtree(stale, ignore_errors=True)
+        (tmp / INDEX_DIR).mkdir(parents=True)
+        try:
+            # the pool's exit waits for every fetch, so none writes into tmp after it is removed below; map
+            # raises the error of the first column (in COLUMNS' order) that failed
+            with ThreadPoolExecutor(min(len(COLUMNS), CONNECTIONS), thread_name_prefix="index-fetch") as pool:
+                names = (f"{INDEX_DIR}/{c}.npy" for c in COLUMNS)  # our column names, never names read remotely
+                list(pool.map(lambda n: download(join(url, n), tmp / n, policy), names))
+            (tmp / INDEX_DIR / META_FILE).write_bytes(meta)
+            load_index(tmp, check_files=False, verify=True)
+        except (DatasetIndexError, RemoteError) as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise DatasetIndexError(f"the index of {redact(url)} cannot be used: {redact(str(e))}") from None
+        except LocalCacheError as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise RemoteError(f"cannot copy the index of {redact(url)} into {root.parent}: {e}") from None
+        if root.exists():
+            os.replace(root, old)
+        os.replace(tmp, root)
+        shutil.rmtree(old, ignore_errors=True)
+    log.info("fetched the index of %s into %s", redact(url), root)
+    return root
 
 
 def _stamp(path: Path) -> tuple[int, int] | None:

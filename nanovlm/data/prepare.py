@@ -26,7 +26,19 @@ from pathlib import Path
 import webdataset as wds
 
 from nanovlm.data.format import Record, SampleError, check_key, members_to_record, record_to_json, validate_messages
-from nanovlm.data.index import DatasetIndex, ShardEntry, ShardIndex, crc32_file, remove_index, scan_tar, shard_block
+from nanovlm.data.index import (
+    COLUMNS,
+    INDEX_DIR,
+    META_FILE,
+    DatasetIndex,
+    ShardEntry,
+    ShardIndex,
+    crc32_file,
+    load_index,
+    remove_index,
+    scan_tar,
+    shard_block,
+)
 from nanovlm.data.jpeg_header import jpeg_header
 from nanovlm.data.processing import (
     ROTATED_ORIENTATIONS,
@@ -36,6 +48,7 @@ from nanovlm.data.processing import (
     open_upright,
     to_rgb,
 )
+from nanovlm.data.remote import RetryPolicy, filesystem, join, redact, with_retries
 from nanovlm.data.tokenizer import tokenizer_fingerprint
 
 SHARD_PATTERN = "shard-{:06d}.tar"
@@ -306,3 +319,24 @@ def index_tar_sample(
     record = members_to_record(members, key)
     sizes = [inspect_image(data, max_image_pixels, key, decode)[1] for data in record.images]
     return processor.token_counts(record.messages), sizes
+
+
+def publish(local: Path, url: str, policy: RetryPolicy | None = None) -> int:
+    """Upload a prepared dataset directory to ``url``: its shards first, then the index columns, ``meta.json``
+    last, so a reader never finds an index whose shards are not there yet; then the remote shards the new index
+    does not list are removed. A reader still holding the previous index meets a replaced shard that fails its
+    size or CRC check: a named error, never a wrong sample. Returns the bytes uploaded."""
+    policy = policy or RetryPolicy()
+    index = load_index(local)
+    fs, base = filesystem(url)
+    files = [s.name for s in index.shards] + [f"{INDEX_DIR}/{c}.npy" for c in COLUMNS] + [f"{INDEX_DIR}/{META_FILE}"]
+    sent = 0
+    for name in files:
+        target = join(base, name)
+        with_retries(lambda n=name, t=target: fs.put_file(str(local / n), t), redact(join(url, name)), policy)
+        sent += (local / name).stat().st_size
+    listed = {join(base, s.name) for s in index.shards}
+    for stale in fs.glob(join(base, "shard-*.tar")):
+        if stale.split("://", 1)[-1] not in listed:
+            with_retries(lambda p=stale: fs.rm(p), redact(stale), policy)
+    return sent

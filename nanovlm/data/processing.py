@@ -29,9 +29,8 @@ import torch
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 from nanovlm.config import DataConfig, ModelConfig, image_token_count
-from nanovlm.constants import IGNORE_INDEX, IMAGE_TOKEN
+from nanovlm.constants import DEVICE_MAX_PIXELS, IGNORE_INDEX, IMAGE_DECODES, IMAGE_TOKEN
 from nanovlm.data import chat
-from nanovlm.data.device_decode import DEVICE_MAX_PIXELS
 from nanovlm.data.format import Record, SampleError
 from nanovlm.data.tiling import (
     GLOBAL_MARKER,
@@ -240,7 +239,6 @@ def images_to_tensor(images: list[Image.Image]) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(hwc.transpose(0, 3, 1, 2)))
 
 
-IMAGE_DECODES = ("worker", "device")  # data.image_decode
 JPEG_END = b"\xff\xd9"  # EOI: a JPEG cut short (the common corruption) lacks it
 
 

@@ -7,8 +7,9 @@ and config files (for S3: ``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, ``AWS_SEC
 from our YAML; every URL in a message goes through ``redact`` first, so user:password@ and query strings
 (presigned tokens) never reach a log, an error or a checkpoint.
 
-Reading is by whole shards staged in a local cache (data/shard_cache.py); here: URLs, the filesystem of each,
-retries, one object copied to a local file, a dataset's index fetched, a prepared dataset uploaded.
+Here: URLs, the filesystem of each, retries, one object copied to a local file. Its users: the index of a URL is
+fetched by data/index.py, shards are staged by data/shard_cache.py, a prepared dataset is uploaded by
+data/prepare.py.
 
 Transient failures (connection resets, timeouts, 5xx, throttling) are retried with exponential backoff and
 jitter (``with_retries``), counted; past the bound, or for an object that is gone, the error names the URL.
@@ -22,17 +23,14 @@ import logging
 import os
 import random
 import re
-import shutil
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, TypeVar
 
-from nanovlm.data.presigned import CONNECTIONS, get_presigned, presignable
-from nanovlm.dist import file_lock
+from nanovlm.data.presigned import get_presigned, presignable
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -205,77 +203,6 @@ def download(url: str, dest: Path, policy: RetryPolicy, counters: RemoteCounters
 def default_cache_dir() -> Path:
     """``$NANOVLM_CACHE``, else ~/.cache/nanovlm: where remote indexes and staged shards go by default."""
     return Path(os.environ.get("NANOVLM_CACHE") or Path.home() / ".cache" / "nanovlm")
-
-
-def fetch_index(url: str, cache_dir: str | os.PathLike | None = None, policy: RetryPolicy | None = None) -> Path:
-    """A local copy of a remote dataset's ``index/`` (a directory ``load_index`` maps), fetched when the copy is
-    missing or its meta.json differs from the remote one. A fetched copy replaces the old one only once every
-    column matches its hash in meta.json, so a failed or partial fetch is never used. The columns are fetched
-    at once, one request each: a large index is not held to one connection's bandwidth, nor a small one to a
-    round trip per column."""
-    from nanovlm.data.index import COLUMNS, INDEX_DIR, META_FILE, DatasetIndexError, load_index
-
-    policy = policy or RetryPolicy()
-    root = Path(cache_dir or default_cache_dir()) / "indexes" / cache_name(url)
-    meta_url = join(url, f"{INDEX_DIR}/{META_FILE}")
-    try:
-        meta = read_bytes(meta_url, policy)
-    except RemoteGoneError as e:  # (a store that keeps failing is a RemoteError of its own)
-        raise FileNotFoundError(
-            f"no index at {redact(url)} ({e}): prepare the dataset with scripts/prepare_data.py and upload the "
-            "directory (its shards and index/)"
-        ) from None
-    local_meta = root / INDEX_DIR / META_FILE
-    with file_lock(root.parent / f"{root.name}.lock"):
-        if local_meta.is_file() and local_meta.read_bytes() == meta:
-            return root
-        tmp, old = (root.parent / f".{root.name}.{os.getpid()}.{what}" for what in ("tmp", "old"))
-        for stale in (tmp, old):
-            shutil.rmtree(stale, ignore_errors=True)
-        (tmp / INDEX_DIR).mkdir(parents=True)
-        try:
-            # the pool's exit waits for every fetch, so none writes into tmp after it is removed below; map
-            # raises the error of the first column (in COLUMNS' order) that failed
-            with ThreadPoolExecutor(min(len(COLUMNS), CONNECTIONS), thread_name_prefix="index-fetch") as pool:
-                names = (f"{INDEX_DIR}/{c}.npy" for c in COLUMNS)  # our column names, never names read remotely
-                list(pool.map(lambda n: download(join(url, n), tmp / n, policy), names))
-            (tmp / INDEX_DIR / META_FILE).write_bytes(meta)
-            load_index(tmp, check_files=False, verify=True)
-        except (DatasetIndexError, RemoteError) as e:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise DatasetIndexError(f"the index of {redact(url)} cannot be used: {redact(str(e))}") from None
-        except LocalCacheError as e:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise RemoteError(f"cannot copy the index of {redact(url)} into {root.parent}: {e}") from None
-        if root.exists():
-            os.replace(root, old)
-        os.replace(tmp, root)
-        shutil.rmtree(old, ignore_errors=True)
-    log.info("fetched the index of %s into %s", redact(url), root)
-    return root
-
-
-def publish(local: Path, url: str, policy: RetryPolicy | None = None) -> int:
-    """Upload a prepared dataset directory to ``url``: its shards first, then the index columns, ``meta.json``
-    last, so a reader never finds an index whose shards are not there yet; then the remote shards the new index
-    does not list are removed. A reader still holding the previous index meets a replaced shard that fails its
-    size or CRC check: a named error, never a wrong sample. Returns the bytes uploaded."""
-    from nanovlm.data.index import COLUMNS, INDEX_DIR, META_FILE, load_index
-
-    policy = policy or RetryPolicy()
-    index = load_index(local)
-    fs, base = filesystem(url)
-    files = [s.name for s in index.shards] + [f"{INDEX_DIR}/{c}.npy" for c in COLUMNS] + [f"{INDEX_DIR}/{META_FILE}"]
-    sent = 0
-    for name in files:
-        target = join(base, name)
-        with_retries(lambda n=name, t=target: fs.put_file(str(local / n), t), redact(join(url, name)), policy)
-        sent += (local / name).stat().st_size
-    listed = {join(base, s.name) for s in index.shards}
-    for stale in fs.glob(join(base, "shard-*.tar")):
-        if stale.split("://", 1)[-1] not in listed:
-            with_retries(lambda p=stale: fs.rm(p), redact(stale), policy)
-    return sent
 
 
 def cache_name(url: str) -> str:

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from nanovlm.config import DataConfig
+from nanovlm.constants import MAX_SHUFFLE_BUFFER
 from nanovlm.data import lengths, packing
 from nanovlm.data.index import DatasetIndex, decode_keys
 from nanovlm.data.tiling import ImageLayout, as_layout
@@ -297,7 +298,6 @@ class PackSpec:
 
 
 PIECE = 1 << 20  # samples per step of the N-sized passes: temporaries under 32 MB, reused by malloc
-MAX_SHUFFLE_BUFFER = 1 << 20  # data.shuffle_buffer at most: the window shuffle's keys fit one int64
 READ_BLOCK = 64  # at most this many places an odd slot reads forward at a time, going backwards (_blocks_backwards)
 
 

@@ -18,14 +18,13 @@ from helpers.hub import hub_server
 from helpers.servers import FaultPlan, gcs_server, http_server, s3_server, upload
 
 from nanovlm.data.datamodule import PackedMultimodalDataModule
-from nanovlm.data.index import DatasetIndexError, load_index
+from nanovlm.data.index import DatasetIndexError, fetch_index, load_index
 from nanovlm.data.remote import (
     RemoteCounters,
     RemoteError,
     RemoteGoneError,
     RetryPolicy,
     download,
-    fetch_index,
     filesystem,
     is_remote,
     redact,

@@ -90,7 +90,8 @@ def test_epoch_order_is_a_deterministic_bounded_shuffle():
 
 
 def test_the_window_shuffle_sorts_chunk_by_chunk_as_one_global_sort_would():
-    from nanovlm.data.shards import MAX_SHUFFLE_BUFFER, PlanError, _window_shuffle
+    from nanovlm.constants import MAX_SHUFFLE_BUFFER
+    from nanovlm.data.shards import PlanError, _window_shuffle
 
     for n, b, chunk in [(1, 4, 8), (2, 4, 8), (37, 4, 8), (64, 8, 8), (1000, 16, 64), (1000, 300, 64), (513, 7, 512)]:
         order = np.random.default_rng(n).permutation(n)
