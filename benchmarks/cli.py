@@ -8,6 +8,7 @@
     python scripts/benchmark.py --sections scale --workdir /big/disk   # 1M / 10M / 100M-sample indexes (~6 GB)
     python scripts/benchmark.py --sections remote   # S3 on loopback behind 0 / 20 / 100 ms of latency vs local disk
     python scripts/benchmark.py --sections stream   # the same S3 through a cache of 2 shards per worker, 3 epochs
+    python scripts/benchmark.py --sections ranges   # the same S3: a shard's samples by one whole GET or ranged GETs
     python scripts/benchmark.py --sections decode --device cuda   # JPEG decode: Pillow in a worker vs nvJPEG
 
 Every figure goes to ``--json``; a markdown report is printed (and written to ``--markdown``).
@@ -27,9 +28,9 @@ from typing import Any
 from benchmarks.common import machine_description
 from benchmarks.scale import parse_size
 
-SECTIONS = ("packing", "pipeline", "train", "resume", "scale", "tiles", "remote", "stream", "decode")
-# scale writes GBs of synthetic index, tiles is a packing variant, remote and stream start an S3 server: asked for
-# by name
+SECTIONS = ("packing", "pipeline", "train", "resume", "scale", "tiles", "remote", "stream", "ranges", "decode")
+# scale writes GBs of synthetic index, tiles is a packing variant, remote, stream and ranges start an S3 server:
+# asked for by name
 DEFAULT_SECTIONS = SECTIONS[:4]
 
 
@@ -249,6 +250,11 @@ def run_section(name: str, args: argparse.Namespace) -> tuple[dict[str, Any], st
 
         result = stream.measure(args, log=_log)
         return result, report.render_stream(result)
+    if name == "ranges":
+        from benchmarks import ranges
+
+        result = ranges.measure(args, log=_log)
+        return result, report.render_ranges(result)
     if name == "scale":
         from benchmarks import scale
 

@@ -614,6 +614,37 @@ def render_remote(result: dict) -> str:
     return "\n".join(md)
 
 
+def render_ranges(result: dict) -> str:
+    plan = result["plan"]
+    md = ["## Remote data: whole shards or byte ranges", ""]
+    md.append(
+        f"Samples of one shard ({result['samples_per_shard']} samples) of {result['data']} from moto's S3 server "
+        f"adding the latency to every request with {plan['bandwidth_mb_s']:.0f} MB/s shared: all of them, or a few "
+        "at random places, by one GET of the whole shard (the shard cache's transfer) or by one ranged GET per "
+        f"sample ({plan['connections']} in flight). {plan['reps']} shards per row, median [min-max]; *client* and *store CPU*: "
+        "the reading process's and the store process's CPU time per sample read; *bytes / samples'*: what the "
+        "store sent over the bytes of the samples read."
+    )
+    md.append("")
+    rows = [
+        [
+            f"+{r['latency_ms']} ms",
+            "all" if r["read"] == "all" else r["read"],
+            r["how"],
+            str(r["requests"]),
+            Stats(**r["wall_s"]).fmt(3),
+            Stats(**r["samples_per_s"]).fmt(0),
+            Stats(**r["client_cpu_ms_per_sample"]).fmt(3),
+            Stats(**r["store_cpu_ms_per_sample"]).fmt(3),
+            f"{r['bytes_over_samples']['median']:.2f}",
+        ]
+        for r in result["rows"]
+    ]
+    headers = ["latency", "samples read", "how", "requests", "wall s", "samples/s", "client CPU ms/sample"]
+    md.append(markdown_table(headers + ["store CPU ms/sample", "bytes / samples'"], rows))
+    return "\n".join(md)
+
+
 def render_stream(result: dict) -> str:
     plan = result["plan"]
     md = ["## Remote data through a small cache, as a training run streams it", ""]

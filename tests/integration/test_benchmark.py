@@ -259,7 +259,7 @@ def test_tiles_section_packs_real_sizes_and_documents_under_a_tile_budget(tmp_pa
 
 
 def _quick_s3_section(section: str, tmp_path, make_dataset, tiny_tokenizer) -> dict:
-    """The JSON of a ``--quick`` run of ``section`` (remote or stream) on 6 shards of 10 samples."""
+    """The JSON of a ``--quick`` run of ``section`` (remote, stream or ranges) on 6 shards of 10 samples."""
     pytest.importorskip("s3fs")
     make_dataset(tmp_path / "ds", 60, samples_per_shard=10)
     tiny_tokenizer.save_pretrained(str(tmp_path / "tok"))
@@ -313,6 +313,25 @@ def test_stream_section_fetches_what_a_small_cache_let_go_without_thrashing(tmp_
     assert 0.1 < small["bytes_per_epoch"]["median"] <= 1.2 and whole["bytes_per_epoch"]["max"] < 0.1
     # what serving the epochs cost the store: warm epochs fetch nothing
     assert 0 <= whole["store_cpu_s"]["median"] < small["store_cpu_s"]["median"]
+
+
+def test_ranges_section_reads_a_shards_samples_whole_and_by_ranges(tmp_path, make_dataset, tiny_tokenizer):
+    """All 10 samples of a shard, then 1 and 4 at random places, behind 20 ms: one GET of the whole shard against
+    one ranged GET per sample, 8 in flight; a ranged read sends exactly the samples' bytes, a whole one the shard,
+    and every request waits out the latency."""
+    doc = _quick_s3_section("ranges", tmp_path, make_dataset, tiny_tokenizer)
+    rows = {(r["read"], r["how"]): r for r in doc["rows"]}
+    assert set(rows) == {(k, how) for k in ("all", "1", "4") for how in ("whole", "ranges")}
+    assert doc["samples_per_shard"] == 10 and {r["latency_ms"] for r in doc["rows"]} == {20}
+    for (read, how), r in rows.items():
+        k = 10 if read == "all" else int(read)
+        assert r["samples"] == k and r["requests"] == (1 if how == "whole" else k)
+        assert r["store_cpu_ms_per_sample"]["min"] > 0 and r["client_cpu_ms_per_sample"]["min"] > 0
+        if how == "ranges":
+            assert r["bytes_over_samples"]["median"] == 1.0  # each answer is its sample's bytes, no more
+            assert r["wall_s"]["min"] >= 0.02 * -(-k // 8)  # rounds of 8 requests, each after its 20 ms
+        else:  # the whole shard (tar headers and the samples not asked for included), after one 20 ms
+            assert r["bytes_over_samples"]["median"] > (1.0 if read == "all" else 2.0) and r["wall_s"]["min"] >= 0.02
 
 
 def test_the_slow_store_adds_its_latency_and_caps_its_bandwidth(tmp_path):
