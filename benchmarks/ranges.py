@@ -6,16 +6,19 @@ order, docs/data.md); a look at a few samples reads a handful.
 
 Each row reads ``k`` samples of one shard (all of them, or a few at random places) from the remote section's store
 (``remote.store``: moto's S3 server on loopback, a slow port per latency and a bandwidth cap, in its own process)
-both ways: whole through ``remote.copy_object`` (the cache's own transfer: one GET of a presigned URL), ranges as
-GETs of presigned URLs with a ``Range`` header, ``connections`` in flight (plain urllib3 GETs, as the cache's
-transfer). Timed per shard: wall seconds, the measuring process's CPU
-(the client) and the store process's CPU, requests and bytes sent."""
+both ways: whole through ``remote.copy_object`` (the cache's own transfer: one GET of a presigned URL); ranges as
+GETs of the URL the cache would fetch (signed once per read: the signature does not cover the Range header), with
+a Range header each, ``connections`` in flight. Timed per read: wall seconds, the measuring process's CPU (the
+client) and the store process's CPU, requests and body bytes sent. What each read returned is checked against the
+local shard afterwards."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
@@ -32,7 +35,7 @@ from benchmarks.remote import RemotePlan, local_source, store
 class RangesPlan:
     latencies_ms: tuple[int, ...] = RemotePlan.latencies_ms
     bandwidth_mb_s: float = RemotePlan.bandwidth_mb_s
-    few: tuple[int, ...] = (1, 16)  # samples read at random places of a shard, beside "all of them"
+    few: tuple[int, ...] = (1, 4, 16)  # samples read at random places of a shard, beside "all of them"
     connections: int = 8  # ranged GETs in flight (as many as a process keeps open per host: presigned.CONNECTIONS)
     reps: int = 3  # shards per row, each read once each way
 
@@ -41,30 +44,47 @@ class RangesPlan:
         return cls(latencies_ms=(20,), few=(1, 4), reps=1)
 
 
-def _ranged(fs: Any, path: str, spans: list[tuple[int, int]], pool: Any, http: Any) -> int:
-    """GET each (offset, nbytes) of object ``path`` by a presigned URL with a Range header; returns the bytes."""
+def _ranged(fs: Any, path: str, spans: list[tuple[int, int]], pool: Any, http: Any) -> list[bytes]:
+    """Each (offset, nbytes) of object ``path``: one GET with a Range header each, of one presigned URL."""
+    from nanovlm.data.presigned import presign
 
-    def get(span: tuple[int, int]) -> int:
+    url = presign(fs, path)
+
+    def get(span: tuple[int, int]) -> bytes:
         start, size = span
-        url = fs.url(path, expires=900)
         r = http.request("GET", url, headers={"Range": f"bytes={start}-{start + size - 1}"}, retries=False)
-        if r.status != 206 or len(r.data) != size:
-            raise RuntimeError(f"a ranged GET answered {r.status} with {len(r.data)} of {size} bytes")
-        return size
+        if r.status != 206:
+            raise RuntimeError(f"a ranged GET answered {r.status}")
+        return r.data
 
-    return sum(pool.map(get, spans))
+    return list(pool.map(get, spans))
 
 
-def _timed(s3: Any, ms: int, read: Any) -> dict[str, float]:
-    """Wall seconds, client (this process's) and store CPU seconds and bytes sent of ``read()``; the garbage of the
-    reads before collected first, not inside the timing."""
+def _timed(s3: Any, ms: int, read: Callable[[], Any]) -> tuple[dict[str, float], Any]:
+    """(wall seconds, client (this process's) and store CPU seconds and body bytes sent of ``read()``, what it
+    returned); the garbage of the reads before collected first, not inside the timing."""
     gc.collect()
     sent0, store0 = s3.stats()
     cpu0, t0 = time.process_time(), time.perf_counter()
-    read()
+    got = read()
     wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
     sent1, store1 = s3.stats()
-    return {"wall_s": wall, "client_cpu_s": cpu, "store_cpu_s": store1 - store0, "bytes": sent1[ms] - sent0[ms]}
+    return {"wall_s": wall, "client_cpu_s": cpu, "store_cpu_s": store1 - store0, "bytes": sent1[ms] - sent0[ms]}, got
+
+
+def _read_both_ways(s3: Any, ms: int, fs: Any, path: str, spans: list[tuple[int, int]], local: bytes, *io: Any) -> dict:
+    """{how: its timing}: ``spans`` of ``path`` read whole and by ranges (``io``: the file the whole GET writes, the
+    ranged GETs' thread pool and urllib3 pool), each read checked against ``local``, the shard's bytes."""
+    from nanovlm.data.remote import copy_object
+
+    dest, pool, http = io
+    whole, _ = _timed(s3, ms, partial(copy_object, fs, path, dest))
+    if dest.read_bytes() != local:
+        raise RuntimeError(f"the whole GET of {path} differs from the local shard")
+    ranges, got = _timed(s3, ms, partial(_ranged, fs, path, spans, pool, http))
+    if got != [local[start : start + size] for start, size in spans]:
+        raise RuntimeError(f"a ranged GET of {path} differs from the local shard's bytes")
+    return {"whole": whole | {"requests": 1}, "ranges": ranges | {"requests": len(spans)}}
 
 
 def measure(args: argparse.Namespace, log=print) -> dict[str, Any]:
@@ -79,13 +99,16 @@ def measure(args: argparse.Namespace, log=print) -> dict[str, Any]:
     _, source, index, _ = local_source(args, 1)
     starts = index.shard_start
     offsets, nbytes = np.asarray(index.columns["offset"]), np.asarray(index.columns["nbytes"])
-    rng = np.random.default_rng(0)
+    rng = np.random.default_rng(args.seed)
     dest = Path(args.workdir) / "ranges_shard.tar"
     dest.parent.mkdir(parents=True, exist_ok=True)
     runs: dict[tuple[int, str, str], list[dict[str, float]]] = {}
     http = urllib3.PoolManager(maxsize=plan.connections)
-    s3_store = store({"bench": source}, {}, plan.latencies_ms, plan.bandwidth_mb_s)
-    with s3_store as s3, ThreadPoolExecutor(plan.connections) as pool:
+    with contextlib.ExitStack() as stack:
+        s3 = stack.enter_context(store({"bench": source}, {}, plan.latencies_ms, plan.bandwidth_mb_s))
+        pool = stack.enter_context(ThreadPoolExecutor(plan.connections))
+        stack.callback(fsspec.config.conf.pop, "s3", None)
+        stack.callback(dest.unlink, missing_ok=True)
         for ms in plan.latencies_ms:
             fsspec.config.conf["s3"] = {"endpoint_url": s3.urls[ms]}  # a new client (cache key) per latency
             for rep in range(plan.reps):
@@ -94,21 +117,14 @@ def measure(args: argparse.Namespace, log=print) -> dict[str, Any]:
                 fs, path = filesystem(f"s3://bench/ds/{index.shards[i].name}")
                 if rep == 0:  # the clients made before timing, as a worker's are after its first fetch
                     copy_object(fs, path, dest)
-                    fs.url(path)
-                for k in (hi - lo, *(k for k in plan.few if k < hi - lo)):
+                local = (source / index.shards[i].name).read_bytes()
+                for k in (hi - lo, *(n for n in plan.few if n < hi - lo)):
                     rows = np.sort(rng.choice(np.arange(lo, hi), k, replace=False))
                     spans = [(int(offsets[j]), int(nbytes[j])) for j in rows]
-                    read = {
-                        "whole": partial(copy_object, fs, path, dest),
-                        "ranges": partial(_ranged, fs, path, spans, pool, http),
-                    }
-                    for how, fetch in read.items():
-                        r = _timed(s3, ms, fetch) | {"samples": k, "sample_bytes": int(nbytes[rows].sum())}
-                        r["requests"] = 1 if how == "whole" else k
+                    for how, r in _read_both_ways(s3, ms, fs, path, spans, local, dest, pool, http).items():
+                        r |= {"samples": k, "sample_bytes": int(nbytes[rows].sum())}
                         runs.setdefault((ms, "all" if k == hi - lo else str(k), how), []).append(r)
             log(f"[ranges] +{ms} ms done")
-    fsspec.config.conf.pop("s3", None)
-    dest.unlink(missing_ok=True)
     return {
         "plan": {**plan.__dict__, "latencies_ms": list(plan.latencies_ms), "few": list(plan.few)},
         "data": str(source),

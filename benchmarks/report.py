@@ -621,15 +621,15 @@ def render_ranges(result: dict) -> str:
         f"Samples of one shard ({result['samples_per_shard']} samples) of {result['data']} from moto's S3 server "
         f"adding the latency to every request with {plan['bandwidth_mb_s']:.0f} MB/s shared: all of them, or a few "
         "at random places, by one GET of the whole shard (the shard cache's transfer) or by one ranged GET per "
-        f"sample ({plan['connections']} in flight). {plan['reps']} shards per row, median [min-max]; *client* and *store CPU*: "
-        "the reading process's and the store process's CPU time per sample read; *bytes / samples'*: what the "
-        "store sent over the bytes of the samples read."
+        f"sample ({plan['connections']} in flight). {plan['reps']} shards per row, median [min-max]; *client* and "
+        "*store CPU*: the reading process's and the store process's CPU time per sample read; *bytes / samples'*: "
+        "the body bytes the store sent over the bytes of the samples read."
     )
     md.append("")
     rows = [
         [
             f"+{r['latency_ms']} ms",
-            "all" if r["read"] == "all" else r["read"],
+            r["read"],
             r["how"],
             str(r["requests"]),
             Stats(**r["wall_s"]).fmt(3),

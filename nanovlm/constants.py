@@ -5,7 +5,6 @@ IGNORE_INDEX = -100  # the label of a position that takes no loss (torch's cross
 IMAGE_TOKEN = "<image>"  # stands for one image: in message text, and as a special token in the vocabulary
 DEFERRED_JPEGS = "jpegs"  # a batch's JPEGs still to be decoded on the device (data.image_decode=device)
 IMAGE_DECODES = ("worker", "device")  # data.image_decode: where a JPEG is decoded
-DEVICE_MAX_PIXELS = (
-    16_000_000  # larger JPEGs are decoded in the worker (draft scaling) rather than held whole on the device
-)
+# larger JPEGs are decoded in the worker (draft scaling) rather than held whole on the device
+DEVICE_MAX_PIXELS = 16_000_000
 MAX_SHUFFLE_BUFFER = 1 << 20  # data.shuffle_buffer at most: the window shuffle's keys fit one int64

@@ -20,7 +20,6 @@ from __future__ import annotations
 import logging
 import os
 import re
-import urllib.request
 from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlsplit
@@ -59,7 +58,7 @@ def get_presigned(fs: Any, path: str, dest: Path) -> None:
     answer; the OSError of a local write as ``open`` raises it."""
     import urllib3
 
-    url = _signer(fs).url(path, expires=EXPIRES_S)
+    url = presign(fs, path)
     host = "{0.scheme}://{0.netloc}".format(urlsplit(url))
     if host in _REFUSED:
         fs.get_file(path, str(dest))
@@ -94,6 +93,12 @@ def get_presigned(fs: Any, path: str, dest: Path) -> None:
         resp.close()  # a connection whose answer was not read to its end is not reused
         raise
     resp.release_conn()
+
+
+def presign(fs: Any, path: str) -> str:
+    """A URL that GETs the object at ``path`` (bucket/key) of s3fs filesystem ``fs`` for ``EXPIRES_S``, signed
+    with SigV4 unless ``fs`` is unsigned or the user chose a signature version."""
+    return _signer(fs).url(path, expires=EXPIRES_S)
 
 
 def warm(fs: Any) -> None:
@@ -184,6 +189,8 @@ def _pool(url: str, verify: bool | str | None) -> Any:
     """This process's pool manager for ``url``: through the proxy the environment names for it (as botocore
     does), verifying TLS against ``verify`` (a CA bundle path; False: not at all; None: certifi's bundle, which
     botocore also uses, else the system's)."""
+    import urllib.request  # here: an index that is only read locally does not pay for it
+
     import urllib3
 
     parts = urlsplit(url)

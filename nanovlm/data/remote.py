@@ -37,11 +37,6 @@ T = TypeVar("T")
 
 REMOTE_SCHEMES = ("s3", "s3a", "gs", "gcs", "http", "https", "hf", "az", "abfs")
 LOCAL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG)  # a write error of the local cache
-# A copy no one has read yet is staged with its mtime this far ahead (a reader's open sets it to now), so eviction,
-# which takes the oldest mtimes first, takes it only after every copy that was read: the workers of a node never
-# evict one another's prefetched shards while read ones remain. One never read (its worker stopped) loses the mark
-# this much later.
-UNREAD_S = 600
 _EXTRAS = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "http": "aiohttp", "https": "aiohttp"}
 
 

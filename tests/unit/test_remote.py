@@ -1,7 +1,8 @@
-"""Remote datasets (data/remote.py, data/shard_cache.py) against real servers on loopback: moto's S3 API server and
-an HTTP server with byte ranges that fails a share of its requests. Batches read from a URL equal those read from
-the local copy, with workers, through exact and elastic resume and through faults; staged shards are checked,
-shared and evicted; a vanished shard or a corrupt index is a named error; credentials appear in no message."""
+"""Remote datasets (data/remote.py, data/index.py's fetch_index) against real servers on loopback: moto's S3 API
+server and an HTTP server with byte ranges that fails a share of its requests. Batches read from a URL equal those
+read from the local copy, with workers, through exact and elastic resume and through faults; a vanished shard or a
+corrupt index is a named error; credentials appear in no message. The shard cache's own tests: test_shard_cache.py.
+"""
 
 from __future__ import annotations
 
