@@ -36,6 +36,15 @@ DEFAULT_SECTIONS = SECTIONS[:4]
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    for add in (_run_args, _input_args, _train_args, _section_args):
+        add(p)
+    p.add_argument("--workdir", default="runs/bench", help="scratch directory (demo data copies, checkpoints)")
+    p.add_argument("--seed", type=int, default=0)
+    return p
+
+
+def _run_args(p: argparse.ArgumentParser) -> None:
+    """Which sections, their sizes and repetitions, and where the figures go."""
     p.add_argument("--quick", action="store_true", help="small sizes: the whole suite in under 2 minutes on 2 cores")
     p.add_argument(
         "--sections", default=",".join(DEFAULT_SECTIONS), help=f"comma-separated subset of {','.join(SECTIONS)}"
@@ -58,6 +67,10 @@ def build_parser() -> argparse.ArgumentParser:
         default=0,
         help="samples the train section lays out (default 600 on cpu, 4000 on cuda; 80 / 1000 with --quick)",
     )
+
+
+def _input_args(p: argparse.ArgumentParser) -> None:
+    """The config and the data the sections read."""
     p.add_argument("--config", action="append", default=[], help="config file(s) for the data/model sections")
     p.add_argument(
         "--set",
@@ -72,6 +85,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--tokenizer", default=None, help="tokenizer for --data (default: the config's)")
     p.add_argument("--budget", type=int, default=0, help="token budget for --index / --data (default: the config's)")
+
+
+def _train_args(p: argparse.ArgumentParser) -> None:
+    """The train section's device, model and rows."""
     p.add_argument("--device", default="cpu", help="cpu | cuda (training section)")
     p.add_argument("--preset", default="", help="model preset for --device cuda, e.g. model_222m.yaml")
     p.add_argument(
@@ -103,6 +120,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="train section: the rows to time besides --backends and --compile-step, comma-separated from "
         "packed,pad_to_longest,constrained,head_everywhere,decoder_only (default all; 'none' for none)",
     )
+
+
+def _section_args(p: argparse.ArgumentParser) -> None:
+    """The scale, tiles and decode sections' sizes and inputs."""
     p.add_argument(
         "--scale-sizes", default="", help="scale section: index sizes, e.g. 1M,10M,100M (default; 100k with --quick)"
     )
@@ -122,9 +143,6 @@ def build_parser() -> argparse.ArgumentParser:
         "--decode-jpegs", default="", help="decode section: a directory or tar of JPEGs (default: synthetic)"
     )
     p.add_argument("--real-shards", default="", help="scale section: shards to time prepare_data on (default: demo)")
-    p.add_argument("--workdir", default="runs/bench", help="scratch directory (demo data copies, checkpoints)")
-    p.add_argument("--seed", type=int, default=0)
-    return p
 
 
 def check_args(args: argparse.Namespace) -> str | None:
