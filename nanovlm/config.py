@@ -23,7 +23,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
 
-from nanovlm.constants import IMAGE_DECODES, MAX_SHUFFLE_BUFFER
+from nanovlm.constants import BACKENDS, CHAT_FORMATS, IMAGE_DECODES, LOSS_KERNELS, MAX_SHUFFLE_BUFFER
 
 # ----------------------------------------------------------------------------------------------------------
 # model
@@ -277,10 +277,6 @@ def _type_name(key: str) -> str:
 
 def _check_values(cfg: Config) -> None:
     """Semantic checks that types alone cannot express (choices, divisibility)."""
-    from nanovlm.data.chat import CHAT_FORMATS  # here: the data package loads transformers
-    from nanovlm.model.attention import BACKENDS
-    from nanovlm.model.loss import LOSS_KERNELS
-
     choices = {
         "model.attn_backend": (cfg.model.attn_backend, set(BACKENDS)),
         "model.loss_kernel": (cfg.model.loss_kernel, set(LOSS_KERNELS)),

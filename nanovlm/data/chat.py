@@ -18,10 +18,9 @@ rendered template (tests/unit/test_export.py checks it against transformers' pro
 
 from __future__ import annotations
 
-from nanovlm.constants import IMAGE_TOKEN
+from nanovlm.constants import CHAT_FORMATS, IMAGE_TOKEN
 from nanovlm.data.tokenizer import IM_END, IM_START
 
-CHAT_FORMATS = ("chatml", "smolvlm")
 END_OF_UTTERANCE = "<end_of_utterance>"
 
 # content given as a string (with <image> placeholders) or as transformers' list of parts

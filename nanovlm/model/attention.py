@@ -42,9 +42,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from nanovlm.constants import BACKENDS
+
 log = logging.getLogger(__name__)
 
-BACKENDS = ("auto", "flash_attn", "torch_varlen", "sdpa")
 _HALF = (torch.bfloat16, torch.float16)
 
 

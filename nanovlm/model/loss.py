@@ -19,10 +19,9 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from nanovlm.constants import IGNORE_INDEX
+from nanovlm.constants import IGNORE_INDEX, LOSS_KERNELS
 
 log = logging.getLogger(__name__)
-LOSS_KERNELS = ("auto", "torch", "liger")  # model.loss_kernel
 _logged: set[tuple[str, str]] = set()
 
 
