@@ -72,12 +72,13 @@ def _timed(s3: Any, ms: int, read: Callable[[], Any]) -> tuple[dict[str, float],
     return {"wall_s": wall, "client_cpu_s": cpu, "store_cpu_s": store1 - store0, "bytes": sent1[ms] - sent0[ms]}, got
 
 
-def _read_both_ways(s3: Any, ms: int, fs: Any, path: str, spans: list[tuple[int, int]], local: bytes, *io: Any) -> dict:
-    """{how: its timing}: ``spans`` of ``path`` read whole and by ranges (``io``: the file the whole GET writes, the
-    ranged GETs' thread pool and urllib3 pool), each read checked against ``local``, the shard's bytes."""
+def _read_both_ways(
+    s3: Any, ms: int, fs: Any, path: str, spans: list[tuple[int, int]], local: bytes, dest: Path, pool: Any, http: Any
+) -> dict:
+    """{how: its timing}: ``spans`` of ``path`` read whole (into ``dest``) and by ranges (``pool`` threads over the
+    ``http`` pool), each read checked against ``local``, the shard's bytes."""
     from nanovlm.data.remote import copy_object
 
-    dest, pool, http = io
     whole, _ = _timed(s3, ms, partial(copy_object, fs, path, dest))
     if dest.read_bytes() != local:
         raise RuntimeError(f"the whole GET of {path} differs from the local shard")
