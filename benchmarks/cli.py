@@ -36,7 +36,7 @@ DEFAULT_SECTIONS = SECTIONS[:4]
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    for add in (_run_args, _input_args, _train_args, _section_args):
+    for add in (_run_args, _input_args, _train_args, _section_args, _store_args):
         add(p)
     p.add_argument("--workdir", default="runs/bench", help="scratch directory (demo data copies, checkpoints)")
     p.add_argument("--seed", type=int, default=0)
@@ -145,6 +145,47 @@ def _section_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--real-shards", default="", help="scale section: shards to time prepare_data on (default: demo)")
 
 
+def _store_args(p: argparse.ArgumentParser) -> None:
+    """Where the remote, stream and ranges sections run their S3 store and their loader."""
+    p.add_argument(
+        "--store-cpus",
+        default="",
+        metavar="CPUS",
+        help="run the S3 store's process on these CPUs (e.g. 2-3; default: all), apart from --loader-cpus, as a "
+        "store on another machine takes none of the loader's",
+    )
+    p.add_argument(
+        "--loader-cpus",
+        default="",
+        metavar="CPUS",
+        help="run the benchmark's own process and its DataLoader workers on these CPUs (e.g. 0-1; default: all)",
+    )
+
+
+def _check_cpus(args: argparse.Namespace) -> str | None:
+    """Turn --store-cpus and --loader-cpus into CPU sets (None: unpinned); what is wrong with them, or None."""
+    from benchmarks.common import parse_cpus
+
+    usable = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set()
+    for name in ("store_cpus", "loader_cpus"):
+        text = getattr(args, name)
+        if not text:
+            setattr(args, name, None)
+            continue
+        if not usable:
+            return f"--{name.replace('_', '-')}: this system cannot pin a process to CPUs"
+        try:
+            cpus = parse_cpus(text)
+        except ValueError:
+            return f"--{name.replace('_', '-')} {text!r}: not a CPU list such as 0-1,4"
+        if not cpus <= usable:
+            return f"--{name.replace('_', '-')} {text!r}: CPUs {sorted(cpus - usable)} are not among this process's {sorted(usable)}"
+        setattr(args, name, cpus)
+    if args.store_cpus and args.loader_cpus and args.store_cpus & args.loader_cpus:
+        return f"--store-cpus and --loader-cpus share CPUs {sorted(args.store_cpus & args.loader_cpus)}"
+    return None
+
+
 def check_args(args: argparse.Namespace) -> str | None:
     """Fill in defaults that depend on --quick; what is wrong with the arguments, or None."""
     sections = [s.strip() for s in args.sections.split(",") if s.strip()]
@@ -157,6 +198,9 @@ def check_args(args: argparse.Namespace) -> str | None:
         return "--reps must be >= 1"
     if args.train_samples < 0:
         return "--train-samples must be >= 1 (0: the default)"
+    problem = _check_cpus(args)
+    if problem:
+        return problem
     from benchmarks.train import parse_train_modes
 
     try:
@@ -186,6 +230,12 @@ def main(argv: list[str] | None = None) -> int:
         "machine": machine_description(),
         "sections": {},
     }
+    if args.store_cpus or args.loader_cpus:
+        doc["cpus"] = {
+            k: sorted(v) if v else None for k, v in (("store", args.store_cpus), ("loader", args.loader_cpus))
+        }
+    if args.loader_cpus:  # this thread, and every thread and worker process started from it
+        os.sched_setaffinity(0, args.loader_cpus)
     texts = []
     for name in [s.strip() for s in args.sections.split(",") if s.strip()]:
         t0 = time.perf_counter()

@@ -6,10 +6,12 @@ excluded), so a reader can see how noisy a number is, not just its value.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
 import statistics
 import subprocess
+import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -103,6 +105,36 @@ def worker_memory() -> list[dict[str, float]]:
 
 # ------------------------------------------------------------------------------------------------------
 # the machine
+
+
+def parse_cpus(text: str) -> frozenset[int]:
+    """CPU numbers written as taskset writes them ("0-1,4"); ValueError if malformed."""
+    cpus: set[int] = set()
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        lo, _, hi = part.partition("-")
+        cpus.update(range(int(lo), int(hi or lo) + 1))
+    if not cpus:
+        raise ValueError(f"no CPU in {text!r}")
+    return frozenset(cpus)
+
+
+def cpu_seconds(not_ours: Sequence[int] = ()) -> tuple[float, float]:
+    """(CPU seconds the whole machine has been busy, those of this process and its live child processes but
+    ``not_ours``), so far; NaN where /proc cannot say (not Linux). A child's seconds count while it lives: take
+    both readings while the same DataLoader workers run."""
+    try:
+        with open("/proc/stat") as f:
+            user, nice, system, _idle, _iowait, irq, softirq = (int(x) for x in f.readline().split()[1:8])
+        tick = os.sysconf("SC_CLK_TCK")
+        ours = time.process_time()
+        for pid in set(child_pids()) - set(not_ours):
+            with contextlib.suppress(OSError):  # it exited meanwhile
+                with open(f"/proc/{pid}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+                ours += (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+        return (user + nice + system + irq + softirq) / tick, ours
+    except OSError:
+        return float("nan"), float("nan")
 
 
 def _cpu_model() -> str:

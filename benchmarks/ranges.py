@@ -106,7 +106,7 @@ def measure(args: argparse.Namespace, log=print) -> dict[str, Any]:
     runs: dict[tuple[int, str, str], list[dict[str, float]]] = {}
     http = urllib3.PoolManager(maxsize=plan.connections)
     with contextlib.ExitStack() as stack:
-        s3 = stack.enter_context(store({"bench": source}, {}, plan.latencies_ms, plan.bandwidth_mb_s))
+        s3 = stack.enter_context(store({"bench": source}, {}, plan.latencies_ms, plan.bandwidth_mb_s, args.store_cpus))
         pool = stack.enter_context(ThreadPoolExecutor(plan.connections))
         stack.callback(fsspec.config.conf.pop, "s3", None)
         stack.callback(dest.unlink, missing_ok=True)

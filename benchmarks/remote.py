@@ -155,10 +155,18 @@ def aws_env(endpoint: str):
 
 
 def _serve(
-    conn: Connection, sources: dict[str, Path], extra: dict[str, Path], latencies: tuple[int, ...], bandwidth: float
+    conn: Connection,
+    sources: dict[str, Path],
+    extra: dict[str, Path],
+    latencies: tuple[int, ...],
+    bandwidth: float,
+    cpus: frozenset[int] | None,
 ) -> None:
-    """The store's process (``store``): ``s3_servers``, answering each ``stats`` with what each slow port
-    has sent and this process's CPU seconds so far, until told anything else."""
+    """The store's process (``store``): ``s3_servers`` on ``cpus``, answering each ``stats`` with what each slow
+    port has sent and this process's CPU seconds so far, until told anything else."""
+    if cpus:  # each thread running now (some started while this process imported), and all those they start
+        for tid in os.listdir("/proc/self/task"):
+            os.sched_setaffinity(int(tid), cpus)
     with s3_servers(sources, extra, latencies, bandwidth) as (upstream, slow):
         conn.send((upstream, {ms: url for ms, (url, _) in slow.items()}))
         while conn.recv() == "stats":
@@ -188,15 +196,20 @@ class Store:
 
 @contextlib.contextmanager
 def store(
-    sources: dict[str, Path], extra: dict[str, Path], latencies: tuple[int, ...], bandwidth_mb_s: float
+    sources: dict[str, Path],
+    extra: dict[str, Path],
+    latencies: tuple[int, ...],
+    bandwidth_mb_s: float,
+    cpus: frozenset[int] | None = None,
 ) -> Iterator[Store]:
-    """``s3_servers`` in a child process; yields its Store."""
+    """``s3_servers`` in a child process, on ``cpus`` if given (``--store-cpus``: a store on cores the loader does
+    not use, as on another machine); yields its Store."""
     import multiprocessing as mp
     from multiprocessing.connection import wait
 
     ctx = mp.get_context("spawn")  # a fresh interpreter: nothing of this process's threads or imports
     conn, child = ctx.Pipe()
-    proc = ctx.Process(target=_serve, args=(child, sources, extra, latencies, bandwidth_mb_s), daemon=True)
+    proc = ctx.Process(target=_serve, args=(child, sources, extra, latencies, bandwidth_mb_s, cpus), daemon=True)
     proc.start()
     child.close()  # the child's end lives in the child only: its exit is then an EOF here, never a silent wait
     try:
@@ -468,7 +481,7 @@ def measure(args: argparse.Namespace, log=print) -> dict[str, Any]:
         for s in index.shards[: max(1, len(index.shards) // 2)]:
             f.write((source / s.name).read_bytes())
     sources, extra = {"bench": source, **peer.dirs}, {"bench/transfer/big.bin": big}
-    with store(sources, extra, plan.latencies_ms, plan.bandwidth_mb_s) as s3:
+    with store(sources, extra, plan.latencies_ms, plan.bandwidth_mb_s, args.store_cpus) as s3:
         shard_urls = [f"s3://bench/ds/{s.name}" for s in index.shards[: plan.transfer_shards]]
         transfer = transfer_cpu(shard_urls, "s3://bench/transfer/big.bin", big.stat().st_size, big.parent, plan.reps)
         per_shard = ", ".join(f"{k} {v['shard_ms']['median']:.1f} ms" for k, v in transfer.items())

@@ -30,6 +30,12 @@ if TYPE_CHECKING:
 def render_report(doc: dict[str, Any], sections: list[str]) -> str:
     """The whole markdown report: title, machine, each section's text, total wall time."""
     md = [f"# nanovlm benchmark{' (quick)' if doc['quick'] else ''}", "", render_machine(doc["machine"]), ""]
+    if doc.get("cpus"):
+        where = {k: ",".join(map(str, v)) if v else "any" for k, v in doc["cpus"].items()}
+        md += [
+            f"Pinned: the S3 store on CPUs {where['store']}; the benchmark and its workers on {where['loader']}.",
+            "",
+        ]
     for text in sections:
         md += [text, ""]
     md.append(f"Total wall time: {doc['wall_s']:.0f} s; load average at the end {doc['load_avg_1m_end']}.")
@@ -567,7 +573,8 @@ def render_remote(result: dict) -> str:
         f"in {plan['reps']} rounds (every loader cold, then warm, each round between two passes of "
         "every loader from local disk); *of local*: each pass against its loader's local rate at that moment, "
         "interpolated between the two (median [min-max]); *store CPU s*: CPU time of the S3 server's "
-        "process during the pass (its own process, on the same cores as the workers); *wait s*: "
+        "process during the pass (its own process; on the workers' cores unless the report says it is pinned); "
+        "*wait s*: "
         "what the workers spent opening shards after each one's first batch, summed (fetching one, or waiting on "
         "its prefetch); *bytes/epoch* counts what the store sent (index included)."
     )
@@ -656,9 +663,11 @@ def render_stream(result: dict) -> str:
         "epoch ends, as in training), timed from the end of the first epoch to the end of the last; "
         f"{plan['reps']} rounds, each remote pass between two local ones. *of local*: against the mean of those "
         "two; *wait s*: what the workers spent opening shards in the timed epochs, summed; *bytes/epoch*: what "
-        "the store sent per timed epoch; *store CPU s*: the CPU time of the store's process (moto's server, on the "
-        "same cores) per timed epoch. *control*: the small cache with every shard staged by a copy from local disk "
+        "the store sent per timed epoch; *store CPU s*: the CPU time of the store's process (moto's server; on the "
+        "loader's cores unless the report says it is pinned) per timed epoch. *control*: the small cache with every shard staged by a copy from local disk "
         "instead of a fetch (the index still from S3): the cache's own work, without the transfer and the store. "
+        "*CPU ms/sample*: CPU time per sample read in the timed epochs, of the loader (this process and its "
+        "DataLoader workers) and of the whole machine (the store's process and the kernel's work included). "
         "Median [min-max]."
     )
     md.append("")
@@ -673,9 +682,12 @@ def render_stream(result: dict) -> str:
                 Stats(**r["wait_s"]).fmt(2) if remote else "",
                 Stats(**r["bytes_per_epoch"]).fmt(3) if remote else "",
                 Stats(**r["store_cpu_s"]).fmt(2) if remote else "",
+                Stats(**r["loader_cpu_ms"]).fmt(3),
+                Stats(**r["machine_cpu_ms"]).fmt(3),
             ]
         )
     head = ["source", "samples/s", "of local", "wait s", "bytes/epoch / dataset", "store CPU s"]
+    head += ["loader CPU ms/sample", "machine CPU ms/sample"]
     md.append(markdown_table(head, rows))
     return "\n".join(md)
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import Stats
+from benchmarks.common import Stats, cpu_seconds
 from benchmarks.remote import RemotePlan, local_source, store
 from benchmarks.workloads import data_config
 
@@ -43,27 +43,33 @@ class StreamPlan:
 
 
 def stream_pass(
-    cfg: Any, tokenizer: Any, epochs: int, store_stats: Callable[[], tuple[int, float]] | None = None
+    cfg: Any,
+    tokenizer: Any,
+    epochs: int,
+    store_stats: Callable[[], tuple[int, float]] | None = None,
+    store_pid: int | None = None,
 ) -> dict[str, Any]:
     """``epochs`` epochs out of one fresh DataModule's loader, timed from the rank's last batch of the first epoch
     to its last batch of the last (``epoch_end`` in the batch's meta); ``store_stats``: the bytes the store's slow port
-    has sent so far and the store process's CPU seconds."""
+    has sent so far and the store process's CPU seconds. CPU per sample: the whole machine's, and the loader's
+    (this process and its DataLoader workers; not the store's process, ``store_pid``)."""
     from nanovlm.data.datamodule import PackedMultimodalDataModule
 
     dm = PackedMultimodalDataModule(cfg.data, cfg.model, tokenizer=tokenizer, rank=0, world_size=1, pin_memory=False)
     dm.setup("fit")
     it = iter(dm.train_dataloader())
     waited: dict[int, int] = {}  # worker slot -> its wait_ms so far
-    marks: list[tuple[float, tuple[int, float], int, dict[int, int]]] = []  # per epoch end: time, store, samples, waits
+    marks: list[tuple] = []  # per epoch end: time, store stats, samples, waits, (machine, loader) CPU s
     samples = 0
     while len(marks) < epochs:
         meta = next(it)["meta"]
         samples += meta["n_samples"]
         waited[meta.get("worker_slot", 0)] = (meta.get("remote") or {}).get("wait_ms", 0)
         if meta.get("epoch_end"):
-            marks.append((time.perf_counter(), store_stats() if store_stats else (0, 0.0), samples, dict(waited)))
+            stats = store_stats() if store_stats else (0, 0.0)
+            marks.append((time.perf_counter(), stats, samples, dict(waited), cpu_seconds([store_pid or -1])))
     del it
-    (t0, (sent0, cpu0), s0, w0), (t1, (sent1, cpu1), s1, w1) = marks[0], marks[-1]
+    (t0, (sent0, cpu0), s0, w0, used0), (t1, (sent1, cpu1), s1, w1, used1) = marks[0], marks[-1]
     return {
         "t": (t0 + t1) / 2,
         "seconds": t1 - t0,
@@ -72,6 +78,8 @@ def stream_pass(
         "sent_per_epoch": (sent1 - sent0) / (epochs - 1),
         "store_cpu_per_epoch": (cpu1 - cpu0) / (epochs - 1),
         "wait_s": sum(ms - w0.get(slot, 0) for slot, ms in w1.items()) / 1e3,
+        "machine_cpu_ms": 1e3 * (used1[0] - used0[0]) / (s1 - s0),  # per sample
+        "loader_cpu_ms": 1e3 * (used1[1] - used0[1]) / (s1 - s0),
     }
 
 
@@ -107,6 +115,10 @@ def _row_name(cache: str, ms: int, shards_per_worker: int) -> str:
     return f"S3 +{ms} ms, cache holds " + (f"{shards_per_worker} shards/worker" if cache == "small" else "all")
 
 
+def _cpu_stats(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    return {k: Stats.of([r[k] for r in runs]).to_dict() for k in ("machine_cpu_ms", "loader_cpu_ms")}
+
+
 def measure(args: argparse.Namespace, log=print) -> dict[str, Any]:
     """Rounds of a local pass, then for each cache and latency a remote pass and a local one; the JSON part of the
     section."""
@@ -122,9 +134,9 @@ def measure(args: argparse.Namespace, log=print) -> dict[str, Any]:
     local: list[dict[str, Any]] = []
     remote: dict[tuple[str, int], list[dict[str, Any]]] = {(c, ms): [] for c in caches for ms in plan.latencies_ms}
     remote[COPIED, plan.latencies_ms[0]] = []  # the control, through the small cache
-    with store({"bench": source}, {}, plan.latencies_ms, plan.bandwidth_mb_s) as s3:
+    with store({"bench": source}, {}, plan.latencies_ms, plan.bandwidth_mb_s, args.store_cpus) as s3:
         for i in range(plan.reps):
-            local.append(stream_pass(cfg, tokenizer, plan.epochs))
+            local.append(stream_pass(cfg, tokenizer, plan.epochs, store_pid=s3.proc.pid))
             for which, ms in remote:
                 fsspec.config.conf["s3"] = {"endpoint_url": s3.urls[ms]}  # a new client (cache key) per latency
                 shutil.rmtree(cache, ignore_errors=True)
@@ -133,10 +145,12 @@ def measure(args: argparse.Namespace, log=print) -> dict[str, Any]:
                 remote_cfg.data.cache_dir = str(cache)
                 remote_cfg.data.cache_max_bytes = caches["small" if which == COPIED else which]
                 with staged_from(source) if which == COPIED else contextlib.nullcontext():
-                    r = stream_pass(remote_cfg, tokenizer, plan.epochs, lambda ms=ms: _sent_and_cpu(s3, ms))
+                    r = stream_pass(
+                        remote_cfg, tokenizer, plan.epochs, lambda ms=ms: _sent_and_cpu(s3, ms), s3.proc.pid
+                    )
                 if which == COPIED and r["sent_per_epoch"]:
                     raise RuntimeError("the control fetched shards: its DataLoader workers were not forked")
-                local.append(stream_pass(cfg, tokenizer, plan.epochs))
+                local.append(stream_pass(cfg, tokenizer, plan.epochs, store_pid=s3.proc.pid))
                 remote[which, ms].append(r | {"local": (local[-2]["samples_per_s"] + local[-1]["samples_per_s"]) / 2})
             log(f"[stream] round {i + 1}/{plan.reps}: local {local[-1]['samples_per_s']:.0f} samples/s")
     fsspec.config.conf.pop("s3", None)
@@ -151,6 +165,7 @@ def measure(args: argparse.Namespace, log=print) -> dict[str, Any]:
             "wait_s": Stats.of([r["wait_s"] for r in runs]).to_dict(),
             "bytes_per_epoch": Stats.of([r["sent_per_epoch"] / dataset_bytes for r in runs]).to_dict(),
             "store_cpu_s": Stats.of([r["store_cpu_per_epoch"] for r in runs]).to_dict(),
+            **_cpu_stats(runs),
         }
         for (c, ms), runs in remote.items()
     ]
@@ -159,6 +174,7 @@ def measure(args: argparse.Namespace, log=print) -> dict[str, Any]:
             "name": "local disk",
             "latency_ms": None,
             "samples_per_s": Stats.of([r["samples_per_s"] for r in local]).to_dict(),
+            **_cpu_stats(local),
         }
     )
     return {

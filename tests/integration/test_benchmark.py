@@ -6,11 +6,13 @@ every strategy, every figure present and in range) and the exact behaviour of th
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 from helpers import REPO
@@ -313,6 +315,8 @@ def test_stream_section_fetches_what_a_small_cache_let_go_without_thrashing(tmp_
     assert 0.1 < small["bytes_per_epoch"]["median"] <= 1.2 and whole["bytes_per_epoch"]["max"] < 0.1, doc["rows"]
     # what serving the epochs cost the store: warm epochs fetch nothing
     assert 0 <= whole["store_cpu_s"]["median"] < small["store_cpu_s"]["median"], doc["rows"]
+    for r in doc["rows"]:  # CPU per sample read, the loader's and the whole machine's, in every row
+        assert r["loader_cpu_ms"]["min"] > 0 and r["machine_cpu_ms"]["min"] > 0, r
 
 
 def test_ranges_section_reads_a_shards_samples_whole_and_by_ranges(tmp_path, make_dataset, tiny_tokenizer):
@@ -376,6 +380,49 @@ def test_a_store_that_fails_is_an_error_at_once(tmp_path):
         s3.proc.kill()
         s3.stats()
     assert time.monotonic() - t0 < 120
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="pins processes to CPUs: Linux")
+def test_the_store_runs_on_the_cpus_it_is_given(tmp_path):
+    """--store-cpus: every thread of the store's process, its request threads included (they start after the
+    pinning), runs on the CPUs given, and a GET through it still answers."""
+    pytest.importorskip("moto")
+    fsspec = pytest.importorskip("fsspec")
+    pytest.importorskip("s3fs")
+    from benchmarks.remote import store
+
+    cpu = max(os.sched_getaffinity(0))
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "blob.bin").write_bytes(b"x" * 1000)
+    with store({"blobs": tmp_path / "src"}, {}, (0,), 100.0, frozenset({cpu})) as s3:
+        fs = fsspec.filesystem("s3", endpoint_url=s3.urls[0], skip_instance_cache=True)
+        assert fs.cat_file("blobs/ds/blob.bin") == b"x" * 1000
+        allowed = set()
+        tids = os.listdir(f"/proc/{s3.proc.pid}/task")
+        for tid in tids:
+            with contextlib.suppress(FileNotFoundError):  # a request's thread, ended since
+                status = Path(f"/proc/{s3.proc.pid}/task/{tid}/status").read_text()
+                allowed |= {ln.split(":")[1].strip() for ln in status.splitlines() if ln.startswith("Cpus_allowed_l")}
+        assert allowed == {str(cpu)} and len(tids) > 2  # its server threads among them
+
+
+def test_cpu_lists_are_checked_before_anything_runs():
+    """--store-cpus and --loader-cpus: a malformed list, a CPU this process may not use, or a CPU in both is an
+    error naming the option; none given leaves every process unpinned."""
+    from benchmarks.cli import build_parser, check_args
+
+    def problem(*argv: str):
+        args = build_parser().parse_args(["--sections", "ranges", *argv])
+        return check_args(args), args
+
+    assert problem() == (None, problem()[1]) and problem()[1].store_cpus is None
+    assert "not a CPU list" in problem("--store-cpus", "a-b")[0]
+    assert "are not among" in problem("--loader-cpus", "0,4096")[0]
+    if hasattr(os, "sched_getaffinity"):
+        cpu = min(os.sched_getaffinity(0))
+        assert "share CPUs" in problem("--store-cpus", str(cpu), "--loader-cpus", str(cpu))[0]
+        err, args = problem("--store-cpus", str(cpu))
+        assert err is None and args.store_cpus == frozenset({cpu}) and args.loader_cpus is None
 
 
 def test_wait_is_counted_per_worker_from_its_first_batch():
