@@ -25,13 +25,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import machine_description
+from benchmarks.common import machine_description, pinned
 from benchmarks.scale import parse_size
 
 SECTIONS = ("packing", "pipeline", "train", "resume", "scale", "tiles", "remote", "stream", "ranges", "decode")
 # scale writes GBs of synthetic index, tiles is a packing variant, remote, stream and ranges start an S3 server:
 # asked for by name
 DEFAULT_SECTIONS = SECTIONS[:4]
+S3_SECTIONS = ("remote", "stream", "ranges")  # the ones --store-cpus and --loader-cpus pin
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -151,38 +152,47 @@ def _store_args(p: argparse.ArgumentParser) -> None:
         "--store-cpus",
         default="",
         metavar="CPUS",
-        help="run the S3 store's process on these CPUs (e.g. 2-3; default: all), apart from --loader-cpus, as a "
-        "store on another machine takes none of the loader's",
+        help="remote, stream and ranges sections: run the S3 store's process on these CPUs (e.g. 2-3), the loader on "
+        "the others unless --loader-cpus says, as a store on another machine takes none of the loader's CPUs",
     )
     p.add_argument(
         "--loader-cpus",
         default="",
         metavar="CPUS",
-        help="run the benchmark's own process and its DataLoader workers on these CPUs (e.g. 0-1; default: all)",
+        help="remote, stream and ranges sections: run the benchmark's process and its DataLoader workers on these "
+        "CPUs (e.g. 0-1), the store on the others unless --store-cpus says (default: both on all)",
     )
 
 
 def _check_cpus(args: argparse.Namespace) -> str | None:
-    """Turn --store-cpus and --loader-cpus into CPU sets (None: unpinned); what is wrong with them, or None."""
+    """--store-cpus and --loader-cpus as CPU sets, each the other's complement where only one is given (None and
+    None: nothing pinned); what is wrong with them, or None."""
     from benchmarks.common import parse_cpus
 
-    usable = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set()
-    for name in ("store_cpus", "loader_cpus"):
-        text = getattr(args, name)
-        if not text:
-            setattr(args, name, None)
-            continue
-        if not usable:
-            return f"--{name.replace('_', '-')}: this system cannot pin a process to CPUs"
-        try:
-            cpus = parse_cpus(text)
-        except ValueError:
-            return f"--{name.replace('_', '-')} {text!r}: not a CPU list such as 0-1,4"
-        if not cpus <= usable:
-            return f"--{name.replace('_', '-')} {text!r}: CPUs {sorted(cpus - usable)} are not among this process's {sorted(usable)}"
-        setattr(args, name, cpus)
-    if args.store_cpus and args.loader_cpus and args.store_cpus & args.loader_cpus:
-        return f"--store-cpus and --loader-cpus share CPUs {sorted(args.store_cpus & args.loader_cpus)}"
+    given = {"store": args.store_cpus, "loader": args.loader_cpus}
+    if not any(given.values()):
+        args.store_cpus = args.loader_cpus = None
+        return None
+    if not hasattr(os, "sched_getaffinity"):
+        return "--store-cpus / --loader-cpus: this system cannot pin a process to CPUs"
+    usable = frozenset(os.sched_getaffinity(0))
+    cpus: dict[str, frozenset[int]] = {}
+    for who, text in given.items():
+        if text:
+            try:
+                cpus[who] = parse_cpus(text)
+            except ValueError as e:
+                return f"--{who}-cpus: {e}"
+            if not cpus[who] <= usable:
+                return f"--{who}-cpus {text}: CPUs {sorted(cpus[who] - usable)} are not among {sorted(usable)}"
+    for who, other in (("store", "loader"), ("loader", "store")):
+        if who not in cpus:
+            cpus[who] = usable - cpus[other]
+            if not cpus[who]:
+                return f"--{other}-cpus {given[other]} leaves no CPU for the {who}"
+    if cpus["store"] & cpus["loader"]:
+        return f"--store-cpus and --loader-cpus share CPUs {sorted(cpus['store'] & cpus['loader'])}"
+    args.store_cpus, args.loader_cpus = cpus["store"], cpus["loader"]
     return None
 
 
@@ -230,17 +240,14 @@ def main(argv: list[str] | None = None) -> int:
         "machine": machine_description(),
         "sections": {},
     }
-    if args.store_cpus or args.loader_cpus:
-        doc["cpus"] = {
-            k: sorted(v) if v else None for k, v in (("store", args.store_cpus), ("loader", args.loader_cpus))
-        }
-    if args.loader_cpus:  # this thread, and every thread and worker process started from it
-        os.sched_setaffinity(0, args.loader_cpus)
+    if args.store_cpus:
+        doc["cpus"] = {"store": sorted(args.store_cpus), "loader": sorted(args.loader_cpus)}
     texts = []
     for name in [s.strip() for s in args.sections.split(",") if s.strip()]:
         t0 = time.perf_counter()
         try:
-            part, text = run_section(name, args)
+            with pinned(args.loader_cpus if name in S3_SECTIONS else None):  # workers inherit it
+                part, text = run_section(name, args)
         except (FileNotFoundError, ValueError) as e:  # bad input: say what is wrong, no traceback
             print(f"benchmark section '{name}' failed: {e}", file=sys.stderr)
             return 2

@@ -9,10 +9,11 @@ from __future__ import annotations
 import contextlib
 import os
 import platform
+import re
 import statistics
 import subprocess
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -110,31 +111,57 @@ def worker_memory() -> list[dict[str, float]]:
 def parse_cpus(text: str) -> frozenset[int]:
     """CPU numbers written as taskset writes them ("0-1,4"); ValueError if malformed."""
     cpus: set[int] = set()
-    for part in filter(None, (p.strip() for p in text.split(","))):
-        lo, _, hi = part.partition("-")
-        cpus.update(range(int(lo), int(hi or lo) + 1))
-    if not cpus:
-        raise ValueError(f"no CPU in {text!r}")
+    for part in (p.strip() for p in text.split(",")):
+        m = re.fullmatch(r"(\d{1,5})(?:-(\d{1,5}))?", part, re.ASCII)
+        if m is None or int(m[2] or m[1]) < int(m[1]):
+            raise ValueError(f"{part!r} in {text!r} is not a CPU or a range of CPUs such as 0-1")
+        cpus.update(range(int(m[1]), int(m[2] or m[1]) + 1))
     return frozenset(cpus)
 
 
-def cpu_seconds(not_ours: Sequence[int] = ()) -> tuple[float, float]:
-    """(CPU seconds the whole machine has been busy, those of this process and its live child processes but
-    ``not_ours``), so far; NaN where /proc cannot say (not Linux). A child's seconds count while it lives: take
-    both readings while the same DataLoader workers run."""
+@contextlib.contextmanager
+def pinned(cpus: frozenset[int] | None) -> Iterator[None]:
+    """The calling thread on ``cpus`` (None: as it is) until the block ends; the threads and processes it starts
+    meanwhile inherit them and keep them."""
+    if not cpus:
+        yield
+        return
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cpus)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
+
+
+@dataclass
+class CpuReading:
+    """CPU seconds so far: the whole machine's (everything it ran), and each of the loader's processes'."""
+
+    machine: float
+    ours: dict[int, float]  # pid -> its CPU seconds (this process, and each live child but the store)
+
+    def loader_since(self, then: CpuReading) -> float:
+        """The loader's CPU seconds since ``then``, over the processes alive at both readings (the DataLoader
+        workers of one loader carry on between them; a worker that ended meanwhile would take its seconds along)."""
+        return sum(self.ours[pid] - then.ours[pid] for pid in self.ours.keys() & then.ours.keys())
+
+
+def cpu_reading(not_ours: Sequence[int] = ()) -> CpuReading | None:
+    """The machine's and the loader's CPU seconds so far; None where /proc cannot say (not Linux)."""
     try:
         with open("/proc/stat") as f:
             user, nice, system, _idle, _iowait, irq, softirq = (int(x) for x in f.readline().split()[1:8])
-        tick = os.sysconf("SC_CLK_TCK")
-        ours = time.process_time()
-        for pid in set(child_pids()) - set(not_ours):
-            with contextlib.suppress(OSError):  # it exited meanwhile
-                with open(f"/proc/{pid}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-                ours += (int(fields[11]) + int(fields[12])) / tick  # utime, stime
-        return (user + nice + system + irq + softirq) / tick, ours
     except OSError:
-        return float("nan"), float("nan")
+        return None
+    tick = os.sysconf("SC_CLK_TCK")
+    ours = {os.getpid(): time.process_time()}
+    for pid in set(child_pids()) - set(not_ours):
+        with contextlib.suppress(OSError):  # it exited meanwhile
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            ours[pid] = (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+    return CpuReading((user + nice + system + irq + softirq) / tick, ours)
 
 
 def _cpu_model() -> str:

@@ -25,7 +25,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import Stats, epoch_times
+from benchmarks.common import Stats, epoch_times, pinned
 from benchmarks.workloads import data_config, demo_dirs
 
 CHUNK = 1 << 18  # the slow store's write size: the bandwidth cap is kept per chunk
@@ -155,18 +155,10 @@ def aws_env(endpoint: str):
 
 
 def _serve(
-    conn: Connection,
-    sources: dict[str, Path],
-    extra: dict[str, Path],
-    latencies: tuple[int, ...],
-    bandwidth: float,
-    cpus: frozenset[int] | None,
+    conn: Connection, sources: dict[str, Path], extra: dict[str, Path], latencies: tuple[int, ...], bandwidth: float
 ) -> None:
-    """The store's process (``store``): ``s3_servers`` on ``cpus``, answering each ``stats`` with what each slow
-    port has sent and this process's CPU seconds so far, until told anything else."""
-    if cpus:  # each thread running now (some started while this process imported), and all those they start
-        for tid in os.listdir("/proc/self/task"):
-            os.sched_setaffinity(int(tid), cpus)
+    """The store's process (``store``): ``s3_servers``, answering each ``stats`` with what each slow port
+    has sent and this process's CPU seconds so far, until told anything else."""
     with s3_servers(sources, extra, latencies, bandwidth) as (upstream, slow):
         conn.send((upstream, {ms: url for ms, (url, _) in slow.items()}))
         while conn.recv() == "stats":
@@ -203,14 +195,15 @@ def store(
     cpus: frozenset[int] | None = None,
 ) -> Iterator[Store]:
     """``s3_servers`` in a child process, on ``cpus`` if given (``--store-cpus``: a store on cores the loader does
-    not use, as on another machine); yields its Store."""
+    not use, as on another machine), it and every thread it starts; yields its Store."""
     import multiprocessing as mp
     from multiprocessing.connection import wait
 
     ctx = mp.get_context("spawn")  # a fresh interpreter: nothing of this process's threads or imports
     conn, child = ctx.Pipe()
-    proc = ctx.Process(target=_serve, args=(child, sources, extra, latencies, bandwidth_mb_s, cpus), daemon=True)
-    proc.start()
+    proc = ctx.Process(target=_serve, args=(child, sources, extra, latencies, bandwidth_mb_s), daemon=True)
+    with pinned(cpus):  # the child inherits the CPUs of the thread that starts it
+        proc.start()
     child.close()  # the child's end lives in the child only: its exit is then an EOF here, never a silent wait
     try:
         if not wait([conn, proc.sentinel], 600):

@@ -31,11 +31,8 @@ def render_report(doc: dict[str, Any], sections: list[str]) -> str:
     """The whole markdown report: title, machine, each section's text, total wall time."""
     md = [f"# nanovlm benchmark{' (quick)' if doc['quick'] else ''}", "", render_machine(doc["machine"]), ""]
     if doc.get("cpus"):
-        where = {k: ",".join(map(str, v)) if v else "any" for k, v in doc["cpus"].items()}
-        md += [
-            f"Pinned: the S3 store on CPUs {where['store']}; the benchmark and its workers on {where['loader']}.",
-            "",
-        ]
+        store, loader = (",".join(map(str, doc["cpus"][k])) for k in ("store", "loader"))
+        md += [f"Pinned (remote, stream, ranges): the S3 store on CPUs {store}, the loader on {loader}.", ""]
     for text in sections:
         md += [text, ""]
     md.append(f"Total wall time: {doc['wall_s']:.0f} s; load average at the end {doc['load_avg_1m_end']}.")
@@ -664,10 +661,11 @@ def render_stream(result: dict) -> str:
         f"{plan['reps']} rounds, each remote pass between two local ones. *of local*: against the mean of those "
         "two; *wait s*: what the workers spent opening shards in the timed epochs, summed; *bytes/epoch*: what "
         "the store sent per timed epoch; *store CPU s*: the CPU time of the store's process (moto's server; on the "
-        "loader's cores unless the report says it is pinned) per timed epoch. *control*: the small cache with every shard staged by a copy from local disk "
-        "instead of a fetch (the index still from S3): the cache's own work, without the transfer and the store. "
-        "*CPU ms/sample*: CPU time per sample read in the timed epochs, of the loader (this process and its "
-        "DataLoader workers) and of the whole machine (the store's process and the kernel's work included). "
+        "loader's cores unless the report says it is pinned) per timed epoch. *control*: the small cache with every "
+        "shard staged by a copy from local disk instead of a fetch (the index still from S3): the cache's own work, "
+        "without the transfer and the store. "
+        "*loader* and *machine CPU ms/sample*: CPU time per sample read in the timed epochs, of this process and "
+        "its DataLoader workers, and of everything the machine ran (the store's process and the kernel included). "
         "Median [min-max]."
     )
     md.append("")
@@ -682,8 +680,7 @@ def render_stream(result: dict) -> str:
                 Stats(**r["wait_s"]).fmt(2) if remote else "",
                 Stats(**r["bytes_per_epoch"]).fmt(3) if remote else "",
                 Stats(**r["store_cpu_s"]).fmt(2) if remote else "",
-                Stats(**r["loader_cpu_ms"]).fmt(3),
-                Stats(**r["machine_cpu_ms"]).fmt(3),
+                *(Stats(**r[k]).fmt(3) if k in r else "n/a" for k in ("loader_cpu_ms", "machine_cpu_ms")),
             ]
         )
     head = ["source", "samples/s", "of local", "wait s", "bytes/epoch / dataset", "store CPU s"]

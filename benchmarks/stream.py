@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import Stats, cpu_seconds
+from benchmarks.common import CpuReading, Stats, cpu_reading
 from benchmarks.remote import RemotePlan, local_source, store
 from benchmarks.workloads import data_config
 
@@ -59,7 +59,7 @@ def stream_pass(
     dm.setup("fit")
     it = iter(dm.train_dataloader())
     waited: dict[int, int] = {}  # worker slot -> its wait_ms so far
-    marks: list[tuple] = []  # per epoch end: time, store stats, samples, waits, (machine, loader) CPU s
+    marks: list[_Mark] = []  # one per epoch end
     samples = 0
     while len(marks) < epochs:
         meta = next(it)["meta"]
@@ -67,20 +67,38 @@ def stream_pass(
         waited[meta.get("worker_slot", 0)] = (meta.get("remote") or {}).get("wait_ms", 0)
         if meta.get("epoch_end"):
             stats = store_stats() if store_stats else (0, 0.0)
-            marks.append((time.perf_counter(), stats, samples, dict(waited), cpu_seconds([store_pid or -1])))
+            cpu = cpu_reading([store_pid] if store_pid else [])
+            marks.append(_Mark(time.perf_counter(), *stats, samples, dict(waited), cpu))
     del it
-    (t0, (sent0, cpu0), s0, w0, used0), (t1, (sent1, cpu1), s1, w1, used1) = marks[0], marks[-1]
-    return {
-        "t": (t0 + t1) / 2,
-        "seconds": t1 - t0,
-        "samples": s1 - s0,
-        "samples_per_s": (s1 - s0) / (t1 - t0),
-        "sent_per_epoch": (sent1 - sent0) / (epochs - 1),
-        "store_cpu_per_epoch": (cpu1 - cpu0) / (epochs - 1),
-        "wait_s": sum(ms - w0.get(slot, 0) for slot, ms in w1.items()) / 1e3,
-        "machine_cpu_ms": 1e3 * (used1[0] - used0[0]) / (s1 - s0),  # per sample
-        "loader_cpu_ms": 1e3 * (used1[1] - used0[1]) / (s1 - s0),
+    a, b = marks[0], marks[-1]
+    n = b.samples - a.samples
+    out = {
+        "t": (a.t + b.t) / 2,
+        "seconds": b.t - a.t,
+        "samples": n,
+        "samples_per_s": n / (b.t - a.t),
+        "sent_per_epoch": (b.sent - a.sent) / (epochs - 1),
+        "store_cpu_per_epoch": (b.store_cpu - a.store_cpu) / (epochs - 1),
+        "wait_s": sum(ms - a.waited.get(slot, 0) for slot, ms in b.waited.items()) / 1e3,
     }
+    if a.cpu and b.cpu:  # per sample read (not off Linux)
+        out |= {
+            "machine_cpu_ms": 1e3 * (b.cpu.machine - a.cpu.machine) / n,
+            "loader_cpu_ms": 1e3 * b.cpu.loader_since(a.cpu) / n,
+        }
+    return out
+
+
+@dataclass
+class _Mark:
+    """What ``stream_pass`` reads at an epoch's end."""
+
+    t: float
+    sent: int  # bytes the store's slow port has sent
+    store_cpu: float  # the store process's CPU seconds
+    samples: int
+    waited: dict[int, int]  # worker slot -> its wait_ms
+    cpu: CpuReading | None
 
 
 @contextlib.contextmanager
@@ -116,7 +134,8 @@ def _row_name(cache: str, ms: int, shards_per_worker: int) -> str:
 
 
 def _cpu_stats(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    return {k: Stats.of([r[k] for r in runs]).to_dict() for k in ("machine_cpu_ms", "loader_cpu_ms")}
+    keys = ("machine_cpu_ms", "loader_cpu_ms")
+    return {k: Stats.of([r[k] for r in runs]).to_dict() for k in keys if all(k in r for r in runs)}
 
 
 def measure(args: argparse.Namespace, log=print) -> dict[str, Any]:

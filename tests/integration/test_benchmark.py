@@ -260,15 +260,17 @@ def test_tiles_section_packs_real_sizes_and_documents_under_a_tile_budget(tmp_pa
     assert doc["cells"][2]["distribution"]["tiles_mean"] > 5  # documents really are split
 
 
-def _quick_s3_section(section: str, tmp_path, make_dataset, tiny_tokenizer) -> dict:
-    """The JSON of a ``--quick`` run of ``section`` (remote, stream or ranges) on 6 shards of 10 samples."""
+def _quick_s3_section(section: str, tmp_path, make_dataset, tiny_tokenizer, *extra: str) -> dict:
+    """The JSON of a ``--quick`` run of ``section`` (remote, stream or ranges) on 6 shards of 10 samples, with
+    ``extra`` arguments; its ``cpus`` beside the section's keys."""
     pytest.importorskip("s3fs")
     make_dataset(tmp_path / "ds", 60, samples_per_shard=10)
     tiny_tokenizer.save_pretrained(str(tmp_path / "tok"))
     out = tmp_path / f"{section}.json"
     args = ["--quick", "--sections", section, "--data", str(tmp_path / "ds"), "--tokenizer", str(tmp_path / "tok")]
-    assert main([*args, "--workdir", str(tmp_path / "wd"), "--json", str(out)]) == 0
-    return json.loads(out.read_text())["sections"][section]
+    assert main([*args, "--workdir", str(tmp_path / "wd"), "--json", str(out), *extra]) == 0
+    doc = json.loads(out.read_text())
+    return doc["sections"][section] | {"cpus": doc.get("cpus")}
 
 
 def test_remote_section_reads_from_a_slow_s3_server(tmp_path, make_dataset, tiny_tokenizer):
@@ -302,7 +304,8 @@ def test_stream_section_fetches_what_a_small_cache_let_go_without_thrashing(tmp_
     that holds the dataset: the timed epochs (the second and third; prefetch runs into each next epoch, and on
     epochs this short the workers run a whole epoch ahead) fetch again the shards the small cache let go, without
     thrashing, and nothing through the large one; the control stages every shard by a local copy, fetching none;
-    each rate is set against local disk's."""
+    each rate is set against local disk's, and every row says what CPU a sample took (too few samples here to
+    compare the loader's with the machine's: /proc counts in 10 ms ticks)."""
     doc = _quick_s3_section("stream", tmp_path, make_dataset, tiny_tokenizer)
     assert doc["cache_bytes"]["small"] < doc["dataset_bytes"] < doc["cache_bytes"]["whole"]
     small, whole, copied, local = doc["rows"]
@@ -322,8 +325,13 @@ def test_stream_section_fetches_what_a_small_cache_let_go_without_thrashing(tmp_
 def test_ranges_section_reads_a_shards_samples_whole_and_by_ranges(tmp_path, make_dataset, tiny_tokenizer):
     """All 10 samples of a shard, then 1 and 4 at random places, behind 20 ms: one GET of the whole shard against
     one ranged GET per sample, 8 in flight; a ranged read sends exactly the samples' bytes, a whole one the shard,
-    and every request waits out the latency."""
-    doc = _quick_s3_section("ranges", tmp_path, make_dataset, tiny_tokenizer)
+    and every request waits out the latency. Where this process may use 2+ CPUs, the store runs on one of them
+    (--store-cpus) and the reader on the others, which this process is back on all of its own after."""
+    mine = sorted(getattr(os, "sched_getaffinity", lambda _: ())(0))
+    pin = ["--store-cpus", str(mine[-1])] if len(mine) > 1 else []
+    doc = _quick_s3_section("ranges", tmp_path, make_dataset, tiny_tokenizer, *pin)
+    if pin:
+        assert doc["cpus"] == {"store": mine[-1:], "loader": mine[:-1]} and sorted(os.sched_getaffinity(0)) == mine
     rows = {(r["read"], r["how"]): r for r in doc["rows"]}
     assert set(rows) == {(k, how) for k in ("all", "1", "4") for how in ("whole", "ranges")}
     assert doc["samples_per_shard"] == 10 and {r["latency_ms"] for r in doc["rows"]} == {20}
@@ -382,47 +390,62 @@ def test_a_store_that_fails_is_an_error_at_once(tmp_path):
     assert time.monotonic() - t0 < 120
 
 
-@pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="pins processes to CPUs: Linux")
+@pytest.mark.skipif(
+    len(getattr(os, "sched_getaffinity", lambda _: ())(0)) < 2, reason="pins a process to some of 2+ CPUs: Linux"
+)
 def test_the_store_runs_on_the_cpus_it_is_given(tmp_path):
-    """--store-cpus: every thread of the store's process, its request threads included (they start after the
-    pinning), runs on the CPUs given, and a GET through it still answers."""
+    """--store-cpus: every thread of the store's process (its interpreter's, its servers', those answering) runs on
+    the CPUs given, a GET through it still answers, and the thread that started it is back on all of its own."""
     pytest.importorskip("moto")
     fsspec = pytest.importorskip("fsspec")
     pytest.importorskip("s3fs")
     from benchmarks.remote import store
 
-    cpu = max(os.sched_getaffinity(0))
+    mine = os.sched_getaffinity(0)
+    cpu = max(mine)
     (tmp_path / "src").mkdir()
     (tmp_path / "src" / "blob.bin").write_bytes(b"x" * 1000)
     with store({"blobs": tmp_path / "src"}, {}, (0,), 100.0, frozenset({cpu})) as s3:
+        assert os.sched_getaffinity(0) == mine
         fs = fsspec.filesystem("s3", endpoint_url=s3.urls[0], skip_instance_cache=True)
         assert fs.cat_file("blobs/ds/blob.bin") == b"x" * 1000
         allowed = set()
         tids = os.listdir(f"/proc/{s3.proc.pid}/task")
         for tid in tids:
-            with contextlib.suppress(FileNotFoundError):  # a request's thread, ended since
+            with contextlib.suppress(OSError):  # a thread that answered a request, ended since
                 status = Path(f"/proc/{s3.proc.pid}/task/{tid}/status").read_text()
                 allowed |= {ln.split(":")[1].strip() for ln in status.splitlines() if ln.startswith("Cpus_allowed_l")}
         assert allowed == {str(cpu)} and len(tids) > 2  # its server threads among them
 
 
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="pins processes to CPUs: Linux")
 def test_cpu_lists_are_checked_before_anything_runs():
-    """--store-cpus and --loader-cpus: a malformed list, a CPU this process may not use, or a CPU in both is an
-    error naming the option; none given leaves every process unpinned."""
+    """--store-cpus and --loader-cpus: a malformed list, a CPU this process may not use, a CPU in both or none
+    left for the other is an error naming the option; one given, the other takes the remaining CPUs; neither
+    given pins nothing."""
     from benchmarks.cli import build_parser, check_args
+    from benchmarks.common import parse_cpus
 
-    def problem(*argv: str):
+    assert parse_cpus(" 0 , 2-4,3") == {0, 2, 3, 4}
+    for bad in ("", "1-", "3-1", "0,,1", "+1", "1_0", "0-99999999"):
+        with pytest.raises(ValueError, match="not a CPU"):
+            parse_cpus(bad)
+
+    def checked(*argv: str):
         args = build_parser().parse_args(["--sections", "ranges", *argv])
         return check_args(args), args
 
-    assert problem() == (None, problem()[1]) and problem()[1].store_cpus is None
-    assert "not a CPU list" in problem("--store-cpus", "a-b")[0]
-    assert "are not among" in problem("--loader-cpus", "0,4096")[0]
-    if hasattr(os, "sched_getaffinity"):
-        cpu = min(os.sched_getaffinity(0))
-        assert "share CPUs" in problem("--store-cpus", str(cpu), "--loader-cpus", str(cpu))[0]
-        err, args = problem("--store-cpus", str(cpu))
-        assert err is None and args.store_cpus == frozenset({cpu}) and args.loader_cpus is None
+    err, args = checked()
+    assert err is None and args.store_cpus is None and args.loader_cpus is None
+    assert checked("--store-cpus", "a-b")[0].startswith("--store-cpus: 'a-b'")
+    assert "are not among" in checked("--loader-cpus", "0,4096")[0]
+    usable = frozenset(os.sched_getaffinity(0))
+    assert "leaves no CPU for the store" in checked("--loader-cpus", ",".join(map(str, usable)))[0]
+    cpu = min(usable)
+    assert "share CPUs" in checked("--store-cpus", str(cpu), "--loader-cpus", str(cpu))[0]
+    if len(usable) > 1:
+        err, args = checked("--store-cpus", str(cpu))
+        assert err is None and args.store_cpus == {cpu} and args.loader_cpus == usable - {cpu}
 
 
 def test_wait_is_counted_per_worker_from_its_first_batch():
