@@ -159,8 +159,9 @@ def _store_args(p: argparse.ArgumentParser) -> None:
         "--loader-cpus",
         default="",
         metavar="CPUS",
-        help="remote, stream and ranges sections: run the benchmark's process and its DataLoader workers on these "
-        "CPUs (e.g. 0-1), the store on the others unless --store-cpus says (default: both on all)",
+        help="remote, stream and ranges sections: run the thread that measures them, and the DataLoader workers and "
+        "threads it starts, on these CPUs (e.g. 0-1), the store on the others unless --store-cpus says (default: "
+        "both on all)",
     )
 
 
@@ -192,6 +193,12 @@ def _check_cpus(args: argparse.Namespace) -> str | None:
                 return f"--{other}-cpus {given[other]} leaves no CPU for the {who}"
     if cpus["store"] & cpus["loader"]:
         return f"--store-cpus and --loader-cpus share CPUs {sorted(cpus['store'] & cpus['loader'])}"
+    try:  # a container may refuse it: say so now, not after the sections before the first S3 one
+        for who in cpus:
+            with pinned(cpus[who]):
+                pass
+    except OSError as e:
+        return f"--{who}-cpus: this process may not pin itself to CPUs {sorted(cpus[who])} ({e.strerror})"
     args.store_cpus, args.loader_cpus = cpus["store"], cpus["loader"]
     return None
 

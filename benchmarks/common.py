@@ -178,7 +178,7 @@ def _cpu_model() -> str:
 def _git_commit() -> str:
     try:
         out = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
+            ["git", "describe", "--always", "--dirty", "--abbrev=7"],  # "-dirty": what ran is not that commit
             capture_output=True,
             text=True,
             timeout=5,
