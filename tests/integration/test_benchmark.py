@@ -419,10 +419,10 @@ def test_the_store_runs_on_the_cpus_it_is_given(tmp_path):
 
 
 @pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="pins processes to CPUs: Linux")
-def test_cpu_lists_are_checked_before_anything_runs():
-    """--store-cpus and --loader-cpus: a malformed list, a CPU this process may not use, a CPU in both or none
-    left for the other is an error naming the option; one given, the other takes the remaining CPUs; neither
-    given pins nothing."""
+def test_cpu_lists_are_checked_before_anything_runs(monkeypatch):
+    """--store-cpus and --loader-cpus: a malformed list, a CPU this process may not use, a CPU in both, none left
+    for the other, or a pinning the system refuses is an error naming the option; one given, the other takes the
+    remaining CPUs; neither given pins nothing."""
     from benchmarks.cli import build_parser, check_args
     from benchmarks.common import parse_cpus
 
@@ -446,6 +446,13 @@ def test_cpu_lists_are_checked_before_anything_runs():
     if len(usable) > 1:
         err, args = checked("--store-cpus", str(cpu))
         assert err is None and args.store_cpus == {cpu} and args.loader_cpus == usable - {cpu}
+
+        def refused(pid: int, cpus) -> None:  # as a container without CAP_SYS_NICE may answer
+            raise PermissionError(1, "Operation not permitted")
+
+        monkeypatch.setattr(os, "sched_setaffinity", refused)
+        err, _ = checked("--store-cpus", str(cpu))
+        assert err.startswith("--store-cpus: this process may not pin itself") and "not permitted" in err, err
 
 
 def test_wait_is_counted_per_worker_from_its_first_batch():
