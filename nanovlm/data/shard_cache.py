@@ -113,10 +113,8 @@ class ShardCache:
         """The staged copy of ``url``, open for reading (fetched and checked first when it is not staged)."""
         t0 = time.perf_counter()
         for _ in range(3):
-            path = self.local(url)
-            try:
-                f = open(path, "rb")  # noqa: SIM115 - the caller owns it
-            except FileNotFoundError:  # evicted by another process between staging and opening: stage again
+            f = self._staged(url, opened=True)
+            if f is None:  # evicted by another process between its check and opening: stage again
                 continue
             if os.fstat(f.fileno()).st_size == self.shards[url].size:
                 os.utime(f.fileno())  # read now: eviction's "last used" (and no longer marked unread)
@@ -127,6 +125,12 @@ class ShardCache:
 
     def local(self, url: str) -> Path:
         """The path of the staged copy of ``url`` (fetched and checked first when needed); prefer ``open``."""
+        return self._staged(url, opened=False)
+
+    def _staged(self, url: str, opened: bool) -> Any:
+        """``local``'s path, or with ``opened`` the copy open for reading (None if it vanished before it was
+        opened). A copy staged here is opened under its lock, which eviction respects, so another process cannot
+        remove it between its fetch and its opening."""
         info = self.shards.get(url)
         if info is None:
             raise RemoteError(f"{redact(url)} is not a shard of the loaded indexes")
@@ -137,16 +141,22 @@ class ShardCache:
         path = self._path(url)
         if self._valid(path, info, quick=True):
             self.counters.add(hits=1)
-            return path
+            if not opened:
+                return path
+            try:
+                return open(path, "rb")  # noqa: SIM115 - the caller owns it
+            except FileNotFoundError:
+                return None
         self.dir.mkdir(parents=True, exist_ok=True)
         with file_lock(self._lock_path(path)):  # one process fetches; the others then find it staged
             if not self._valid(path, info, quick=False):
                 self._fetch(url, path, info)
+            out = open(path, "rb") if opened else path  # noqa: SIM115 - the caller owns it
         # A fetch's eviction skips copies other processes hold locked (fetching or checking them), so the cache
         # may now be over its cap: whoever releases a lock trims it, so the last one leaves it within the cap.
         with file_lock(self.dir / ".evict.lock"):
             self._evict(0, keep=path.name)
-        return path
+        return out
 
     # -- internals ------------------------------------------------------------------------------------------
 
